@@ -1,0 +1,37 @@
+"""Small named errors. Each message says what was wrong, where it came from, and what is allowed."""
+
+from __future__ import annotations
+
+
+class MeClearError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+    exit_code = 1
+
+
+class InputError(MeClearError):
+    """A malformed input record: names the file, the line (JSONL) or row (Parquet) and the field."""
+
+    exit_code = 2
+
+    def __init__(self, path: str, where: str, field: str | None, problem: str):
+        self.path, self.where, self.field, self.problem = str(path), where, field, problem
+        loc = f"{self.path}:{where}" if where else self.path
+        fld = f" field '{field}'" if field else ""
+        super().__init__(f"{loc}:{fld} {problem}".replace(": ", ": ", 1))
+
+
+class ConfigError(MeClearError):
+    """An invalid configuration value or an unknown key."""
+
+    exit_code = 2
+
+
+class AgentError(MeClearError):
+    """An agent could not be built or returned an unusable answer."""
+
+
+class MissingDependencyError(MeClearError):
+    """An optional dependency is not installed; the message carries the install hint."""
+
+    exit_code = 2

@@ -1,0 +1,27 @@
+"""The cooperative-game core: pure numpy over int64 coalition bitmasks (bit i = context position i). No Ray here."""
+
+from pipeline.game.attribution import (
+    interaction_labels,
+    interactions_exact,
+    interactions_from_evaluated,
+    loo_effects,
+    shapley_exact,
+    shapley_permutation,
+)
+from pipeline.game.clearance import Clearance, clearance_coalitions, harmful_ranking, select_clearance
+from pipeline.game.plan import GamePlan, make_plan
+
+__all__ = [
+    "Clearance",
+    "GamePlan",
+    "clearance_coalitions",
+    "harmful_ranking",
+    "interaction_labels",
+    "interactions_exact",
+    "interactions_from_evaluated",
+    "loo_effects",
+    "make_plan",
+    "select_clearance",
+    "shapley_exact",
+    "shapley_permutation",
+]

@@ -1,0 +1,103 @@
+"""Coalition planning: which coalitions a case needs, each listed once.
+
+A plan is either exact enumeration (all 2^K coalitions) or L seeded permutations whose prefixes are the coalitions to
+evaluate. `auto` enumerates when 2^K is no more than what the sampled plan may touch: L permutations touch at most
+L*(K-1)+2 distinct prefixes (the empty and the full coalition are shared by all). The bound, not the realised count,
+decides, so the choice does not depend on the seed. With K=5, L=16: 32 <= 66, so exact enumeration.
+The LOO coalitions (the full context and the full context minus each memory) are always in the plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeline.errors import ConfigError
+
+ESTIMATORS = ("auto", "exact", "permutation")
+MAX_PLAYERS = 20  # exact value tables are dense arrays of 2^K floats: 8 MiB at K=20
+
+
+def full_mask(k: int) -> int:
+    return (1 << k) - 1
+
+
+def members(mask: int, k: int) -> list[int]:
+    return [i for i in range(k) if mask >> i & 1]
+
+
+def popcount(masks: np.ndarray) -> np.ndarray:
+    masks = np.asarray(masks, dtype=np.int64)
+    out = np.zeros(masks.shape, dtype=np.int64)
+    for b in range(MAX_PLAYERS + 1):
+        out += (masks >> b) & 1
+    return out
+
+
+def loo_coalitions(k: int) -> np.ndarray:
+    full = full_mask(k)
+    return np.array([full] + [full & ~(1 << i) for i in range(k)], dtype=np.int64)
+
+
+def prefix_masks(permutations: np.ndarray) -> np.ndarray:
+    """(L, K+1) masks: column j is the set of the first j players of each permutation."""
+    perms = np.asarray(permutations, dtype=np.int64)
+    bits = np.left_shift(np.int64(1), perms)
+    out = np.zeros((perms.shape[0], perms.shape[1] + 1), dtype=np.int64)
+    np.cumsum(bits, axis=1, out=out[:, 1:])  # distinct bits, so a running sum is a running OR
+    return out
+
+
+def sampled_touch_bound(k: int, permutations: int) -> int:
+    return permutations * max(k - 1, 0) + 2
+
+
+@dataclass(frozen=True)
+class GamePlan:
+    """The coalitions one case needs in its first pass, and how its Shapley values will be estimated."""
+
+    k: int
+    estimator: str  # "exact" or "permutation" (never "auto" once planned)
+    budget: int  # L, the permutation budget asked for
+    antithetic: bool
+    seed: int
+    permutations: np.ndarray  # (L, K) int64; empty (0, K) for exact enumeration
+    coalitions: np.ndarray  # sorted, unique int64 masks
+
+    @property
+    def n_coalitions(self) -> int:
+        return int(self.coalitions.size)
+
+
+def make_plan(
+    k: int,
+    permutations: int = 16,
+    estimator: str = "auto",
+    antithetic: bool = False,
+    seed: int = 0,
+) -> GamePlan:
+    """Plan a case with K players. Permutations come from a local generator seeded by `seed` (per case)."""
+    if not 1 <= k <= MAX_PLAYERS:
+        raise ConfigError(f"game plan: K={k} players is out of range; allowed 1..{MAX_PLAYERS}")
+    if permutations < 1:
+        raise ConfigError(f"game plan: permutations={permutations}; must be >= 1")
+    if antithetic and permutations % 2:
+        raise ConfigError(f"game plan: antithetic sampling pairs permutations; permutations={permutations} must be even")
+    if estimator not in ESTIMATORS:
+        raise ConfigError(f"game plan: estimator={estimator!r}; allowed {ESTIMATORS}")
+    if estimator == "auto":
+        estimator = "exact" if 2**k <= sampled_touch_bound(k, permutations) else "permutation"
+    if estimator == "exact":
+        perms = np.zeros((0, k), dtype=np.int64)
+        coalitions = np.arange(2**k, dtype=np.int64)
+    else:
+        rng = np.random.default_rng(seed)
+        if antithetic:
+            half = rng.permuted(np.tile(np.arange(k), (permutations // 2, 1)), axis=1)
+            perms = np.empty((permutations, k), dtype=np.int64)
+            perms[0::2], perms[1::2] = half, half[:, ::-1]  # each permutation followed by its reverse
+        else:
+            perms = rng.permuted(np.tile(np.arange(k), (permutations, 1)), axis=1).astype(np.int64)
+        coalitions = np.union1d(prefix_masks(perms).ravel(), loo_coalitions(k))
+    return GamePlan(k, estimator, permutations, antithetic, seed, perms, coalitions)
