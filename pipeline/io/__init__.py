@@ -1,0 +1,1 @@
+"""Input loaders (memory pools, query sets, LoCoMo) and output writers. Inputs are only ever opened for reading."""

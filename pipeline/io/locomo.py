@@ -1,0 +1,124 @@
+"""LoCoMo (Maharana et al., ACL 2024) as memory pools and queries.
+
+Each dialogue turn becomes a memory whose text is prefixed with its session date and speaker (an image's BLIP caption is
+kept in the text). Each QA item becomes a query: categories 1-4 read `answer`, category 5 (adversarial) reads
+`adversarial_answer`. LoCoMo has open answers; for multiple-choice scoring each query gets type-consistent options:
+the gold answer plus distractors drawn from other answers of the same category in the same conversation, in an order
+fixed by the seed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.agents.utility import normalize_answer
+from pipeline.errors import InputError
+from pipeline.io.records import Memory, Pool, Query
+
+_SESSION = re.compile(r"^session_(\d+)$")
+
+
+def turn_text(date: str, speaker: str, text: str, caption: str | None) -> str:
+    body = text.strip()
+    if caption:
+        body = f"{body} [shares a photo: {caption.strip()}]".strip()
+    return f"[{date}] {speaker}: {body}"
+
+
+def pick_distractors(gold: str, candidates: list[str], n: int, rng: np.random.Generator) -> list[str]:
+    """Up to n distinct candidates whose normalised text differs from the gold answer's and from each other's."""
+    seen = {normalize_answer(gold)}
+    unique: list[str] = []
+    for c in candidates:
+        key = normalize_answer(c)
+        if key and key not in seen:
+            seen.add(key)
+            unique.append(c)
+    if len(unique) <= n:
+        return unique
+    idx = rng.choice(len(unique), size=n, replace=False)
+    return [unique[i] for i in sorted(idx)]
+
+
+def _answer(qa: dict) -> str | None:
+    value = qa.get("adversarial_answer") if qa.get("category") == 5 else qa.get("answer")
+    return None if value is None else str(value)
+
+
+def load_locomo(
+    path: str | Path, n_options: int = 4, seed: int = 0, conversations: list[str] | None = None
+) -> tuple[dict[str, Pool], list[Query]]:
+    """Pools keyed by LoCoMo sample_id, and queries (query_id = '<sample_id>:q<index>').
+
+    n_options: options per query (gold + n_options-1 distractors); 0 keeps open answers.
+    conversations: sample_ids to keep (all when None).
+    """
+    path = Path(path)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except FileNotFoundError:
+        raise InputError(path, "", None, "does not exist") from None
+    except json.JSONDecodeError as exc:
+        raise InputError(path, f"line {exc.lineno}", None, f"is not valid JSON ({exc.msg})") from None
+    if not isinstance(data, list):
+        raise InputError(path, "", None, "must be a JSON list of LoCoMo conversations")
+    pools: dict[str, Pool] = {}
+    queries: list[Query] = []
+    for ci, conv in enumerate(data):
+        where = f"conversation {ci}"
+        for key in ("sample_id", "conversation", "qa"):
+            if key not in conv:
+                raise InputError(path, where, key, "is missing")
+        sid = str(conv["sample_id"])
+        if conversations is not None and sid not in conversations:
+            continue
+        dialogue = conv["conversation"]
+        memories: list[Memory] = []
+        sessions = sorted((int(m.group(1)), k) for k in dialogue if (m := _SESSION.match(k)))
+        for num, key in sessions:
+            date = str(dialogue.get(f"{key}_date_time", f"session {num}"))
+            for ti, turn in enumerate(dialogue[key]):
+                for f in ("dia_id", "speaker", "text"):
+                    if f not in turn:
+                        raise InputError(path, f"{where} {key} turn {ti}", f, "is missing")
+                text = turn_text(date, turn["speaker"], turn["text"], turn.get("blip_caption"))
+                memories.append(Memory(str(turn["dia_id"]), text, date, turn["speaker"], {"session": num}))
+        pools[sid] = Pool(sid, tuple(memories), f"{path}#{sid}")
+        by_category: dict[int, list[str]] = {}
+        for qa in conv["qa"]:
+            ans = _answer(qa)
+            if ans is not None:
+                by_category.setdefault(qa.get("category"), []).append(ans)
+        rng = np.random.default_rng([seed, ci])
+        for qi, qa in enumerate(conv["qa"]):
+            ans = _answer(qa)
+            if ans is None or not str(qa.get("question", "")).strip():
+                continue  # LoCoMo has a few QA items without an answer; they cannot be scored
+            options: tuple[str, ...] = ()
+            if n_options > 1:
+                distractors = pick_distractors(ans, by_category.get(qa.get("category"), []), n_options - 1, rng)
+                if distractors:
+                    opts = [ans, *distractors]
+                    order = rng.permutation(len(opts))
+                    options = tuple(opts[i] for i in order)
+            queries.append(
+                Query(
+                    query_id=f"{sid}:q{qi}",
+                    pool_id=sid,
+                    question=str(qa["question"]),
+                    answer=ans,
+                    options=options,
+                    category=str(qa.get("category")),
+                    evidence=tuple(str(e) for e in qa.get("evidence", [])),
+                )
+            )
+    if conversations is not None:
+        missing = sorted(set(conversations) - set(pools))
+        if missing:
+            raise InputError(path, "", "sample_id", f"conversations {missing} not found; have {[c['sample_id'] for c in data]}")
+    return pools, queries

@@ -1,0 +1,139 @@
+"""Typed input records and their validation. Every problem names the file, the line or row, and the field."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from pipeline.agents.utility import gold_index
+from pipeline.errors import InputError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Memory:
+    memory_id: str
+    text: str
+    timestamp: str | None = None
+    speaker: str | None = None
+    metadata: dict | None = None
+
+
+@dataclass(frozen=True)
+class Pool:
+    pool_id: str
+    memories: tuple[Memory, ...]
+    source: str  # file it came from
+
+
+@dataclass(frozen=True)
+class Query:
+    query_id: str
+    pool_id: str
+    question: str
+    answer: str
+    options: tuple[str, ...] = ()
+    category: str | None = None
+    evidence: tuple[str, ...] = field(default=(), compare=False)  # memory ids that support the answer, when known
+
+
+def iter_records(path: Path) -> Iterator[tuple[str, dict]]:
+    """Yield (where, record) from a JSONL or Parquet file. `where` is 'line N' (1-based) or 'row N' (0-based)."""
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".json", ".ndjson"):
+        with open(path, encoding="utf-8") as fh:  # read-only: the memory bank is never opened for writing
+            for n, line in enumerate(fh, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise InputError(path, f"line {n}", None, f"is not valid JSON ({exc.msg})") from None
+                if not isinstance(rec, dict):
+                    raise InputError(path, f"line {n}", None, f"must be a JSON object, got {type(rec).__name__}")
+                yield f"line {n}", rec
+    elif suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.read_table(path)
+        except Exception as exc:  # pyarrow raises several types for a corrupt file
+            raise InputError(path, "", None, f"cannot be read as Parquet ({exc})") from None
+        for n, rec in enumerate(table.to_pylist()):
+            yield f"row {n}", rec
+    else:
+        raise InputError(path, "", None, f"has unsupported extension {suffix!r}; allowed .jsonl, .json, .parquet")
+
+
+def text_field(path: Path, where: str, rec: dict, name: str, required: bool = True, numbers: bool = False) -> str | None:
+    """A non-empty string field (integers accepted and turned into text where `numbers`)."""
+    value = rec.get(name)
+    if value is None:
+        if required:
+            raise InputError(path, where, name, "is missing (required)")
+        return None
+    if numbers and isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str):
+        raise InputError(path, where, name, f"must be a string, got {type(value).__name__}")
+    if required and not value.strip():
+        raise InputError(path, where, name, "is empty")
+    return value
+
+
+def parse_memory(path: Path, where: str, rec: dict) -> Memory:
+    metadata = rec.get("metadata")
+    if isinstance(metadata, str):  # Parquet exports often carry metadata as a JSON string
+        try:
+            metadata = json.loads(metadata)
+        except json.JSONDecodeError:
+            raise InputError(path, where, "metadata", "is a string but not a JSON object") from None
+    if metadata is not None and not isinstance(metadata, dict):
+        raise InputError(path, where, "metadata", f"must be an object, got {type(metadata).__name__}")
+    return Memory(
+        memory_id=text_field(path, where, rec, "memory_id", numbers=True),  # type: ignore[arg-type]
+        text=text_field(path, where, rec, "text"),  # type: ignore[arg-type]
+        timestamp=text_field(path, where, rec, "timestamp", required=False, numbers=True),
+        speaker=text_field(path, where, rec, "speaker", required=False),
+        metadata=metadata,
+    )
+
+
+def parse_query(path: Path, where: str, rec: dict, default_pool: str | None) -> Query:
+    pool_id = text_field(path, where, rec, "pool_id", required=default_pool is None, numbers=True) or default_pool
+    answer = text_field(path, where, rec, "answer", numbers=True)
+    options_raw = rec.get("options")
+    options: tuple[str, ...] = ()
+    if options_raw is not None:
+        if not isinstance(options_raw, (list, tuple)) or not all(isinstance(o, str) for o in options_raw):
+            raise InputError(path, where, "options", "must be a list of strings")
+        options = tuple(options_raw)
+        if len(options) < 2:
+            raise InputError(path, where, "options", f"needs at least 2 options, got {len(options)}")
+        if len(set(options)) != len(options):
+            raise InputError(path, where, "options", "has duplicate options")
+        if gold_index(options, answer) < 0:  # type: ignore[arg-type]
+            raise InputError(path, where, "options", f"does not include the answer {answer!r}")
+    evidence = rec.get("evidence") or ()
+    if not isinstance(evidence, (list, tuple)):
+        raise InputError(path, where, "evidence", "must be a list of memory ids")
+    return Query(
+        query_id=text_field(path, where, rec, "query_id", numbers=True),  # type: ignore[arg-type]
+        pool_id=pool_id,  # type: ignore[arg-type]
+        question=text_field(path, where, rec, "question"),  # type: ignore[arg-type]
+        answer=answer,  # type: ignore[arg-type]
+        options=options,
+        category=text_field(path, where, rec, "category", required=False, numbers=True),
+        evidence=tuple(str(e) for e in evidence),
+    )
+
+
+def warn_unknown(path: Path, rec: dict, known: set[str], seen: set[str]) -> None:
+    extra = set(rec) - known - seen
+    if extra:
+        seen |= extra
+        log.warning("%s: ignoring field(s) %s (not used by the audit)", path, sorted(extra))

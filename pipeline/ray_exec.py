@@ -1,0 +1,103 @@
+"""The one module that knows Ray: an actor pool of agents behind the `Executor` contract.
+
+Each actor builds its agent once (an LLM engine is started once per actor) and answers tasks: lists of whole cases'
+coalitions. The driver keeps a few tasks in flight per actor so engines stay busy, and pins a case's second pass to the
+actor that ran its first (that actor's prefix cache holds the case's prompt prefix). `ray.init()` joins the cluster
+named by RAY_ADDRESS (set by `ray job submit`) and otherwise starts a local, embedded Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from pipeline.agents import AgentSpec, build_agent
+from pipeline.errors import ConfigError
+from pipeline.stage import ItemResult, WorkItem, evaluate_items
+
+log = logging.getLogger(__name__)
+
+
+def init_ray(num_cpus: int | None = None, temp_dir: str | None = None) -> bool:
+    """Start or join Ray. Returns True when this call started it (the caller then shuts it down)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(log_to_driver=True)
+        log.info("joined Ray cluster at %s", os.environ["RAY_ADDRESS"])
+    else:
+        kwargs = {"include_dashboard": False, "num_cpus": num_cpus, "log_to_driver": True}
+        if temp_dir:
+            kwargs["_temp_dir"] = temp_dir
+        ray.init(**kwargs)
+        log.info("started local Ray with %s CPUs", ray.cluster_resources().get("CPU"))
+    return True
+
+
+class AgentActor:
+    """Builds its agent once; evaluates tasks of WorkItems."""
+
+    def __init__(self, spec: AgentSpec, utility_mode: str):
+        self.agent = build_agent(spec)
+        self.utility_mode = utility_mode
+
+    def fingerprint(self) -> str:
+        return self.agent.fingerprint()
+
+    def evaluate(self, items: list[WorkItem]) -> list[ItemResult]:
+        return evaluate_items(self.agent, items, self.utility_mode)
+
+    def close(self) -> None:
+        self.agent.close()
+
+
+class RayExecutor:
+    """An actor pool of agents. `actors=0` sizes the pool from the cluster's free CPUs (or GPUs when actors need them)."""
+
+    def __init__(
+        self,
+        spec: AgentSpec,
+        utility_mode: str,
+        actors: int = 0,
+        cpus_per_actor: float = 1.0,
+        gpus_per_actor: float = 0.0,
+        max_inflight: int = 2,
+    ):
+        import ray
+
+        self.ray = ray
+        if actors == 0:
+            res = ray.available_resources()
+            if gpus_per_actor > 0:
+                actors = int(res.get("GPU", 0) // gpus_per_actor)
+                if actors == 0:
+                    raise ConfigError(f"ray executor: gpus_per_actor={gpus_per_actor} but the cluster has no free GPU")
+            else:
+                actors = max(1, int(res.get("CPU", 1) // max(cpus_per_actor, 1e-9)))
+        remote = ray.remote(num_cpus=cpus_per_actor, num_gpus=gpus_per_actor)(AgentActor)
+        self.actors = [remote.remote(spec, utility_mode) for _ in range(actors)]
+        self.n_workers, self.max_inflight = len(self.actors), max_inflight
+        fps = set(ray.get([a.fingerprint.remote() for a in self.actors]))  # also waits for every agent to be built
+        if len(fps) != 1:
+            raise ConfigError(f"ray executor: actors built different agents {sorted(fps)}; check the agent settings")
+        self.fingerprint = fps.pop()
+        self._refs: dict = {}
+        log.info("actor pool: %d x %s", self.n_workers, self.fingerprint)
+
+    def submit(self, worker: int, items: list[WorkItem]) -> None:
+        self._refs[self.actors[worker].evaluate.remote(items)] = worker
+
+    def next_done(self) -> tuple[int, list[ItemResult]]:
+        ready, _ = self.ray.wait(list(self._refs), num_returns=1)
+        worker = self._refs.pop(ready[0])
+        return worker, self.ray.get(ready[0])
+
+    def close(self) -> None:
+        try:
+            self.ray.get([a.close.remote() for a in self.actors], timeout=120)
+        finally:
+            for a in self.actors:
+                self.ray.kill(a)
+            self.actors = []

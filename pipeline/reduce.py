@@ -1,0 +1,132 @@
+"""Per-case reduction: a case's value table -> attributions, interactions and the verified clearance (as rows)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pipeline.cases import Case
+from pipeline.game import (
+    GamePlan,
+    clearance_coalitions,
+    harmful_ranking,
+    interaction_labels,
+    interactions_exact,
+    interactions_from_evaluated,
+    loo_effects,
+    select_clearance,
+    shapley_exact,
+    shapley_permutation,
+)
+from pipeline.game.clearance import Clearance
+
+
+@dataclass
+class CaseState:
+    """What the driver knows about one case while its coalitions are in flight."""
+
+    case: Case
+    plan: GamePlan
+    values: np.ndarray = field(init=False)  # NaN = not evaluated
+    correct: np.ndarray = field(init=False)
+    reused: int = 0  # coalitions taken from an earlier run's utilities
+    phi: np.ndarray | None = None
+    se: np.ndarray | None = None
+    ranking: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        self.values = np.full(1 << self.case.k, np.nan)
+        self.correct = np.zeros(1 << self.case.k, dtype=bool)
+
+    def record(self, masks: np.ndarray, utility: np.ndarray, correct: np.ndarray) -> None:
+        self.values[masks] = utility
+        self.correct[masks] = correct
+
+    def missing(self, masks: np.ndarray) -> np.ndarray:
+        masks = np.unique(np.asarray(masks, dtype=np.int64))
+        return masks[np.isnan(self.values[masks])]
+
+    @property
+    def evaluations(self) -> int:
+        return int(np.count_nonzero(~np.isnan(self.values)))
+
+
+def attribute(state: CaseState, tau: float) -> np.ndarray:
+    """Shapley values (and SEs) from the plan's coalitions; returns the coalitions the clearance still needs."""
+    plan = state.plan
+    if plan.estimator == "exact":
+        state.phi, state.se = shapley_exact(state.values), np.zeros(plan.k)
+    else:
+        state.phi, state.se = shapley_permutation(state.values, plan.permutations, plan.antithetic)
+    state.ranking = harmful_ranking(state.phi, tau, loo_effects(state.values))
+    return state.missing(clearance_coalitions(plan.k, state.ranking))
+
+
+@dataclass(frozen=True)
+class CaseRows:
+    attributions: list[dict]
+    interactions: list[dict]
+    clearance: dict
+    result: Clearance
+
+
+def finalize(state: CaseState, run_id: str, tau: float, kappa: float) -> CaseRows:
+    case, plan = state.case, state.plan
+    q, ctx = case.query, case.context
+    assert state.phi is not None and state.se is not None and state.ranking is not None
+    loo = loo_effects(state.values)
+    rank_of = {int(p): r + 1 for r, p in enumerate(state.ranking)}
+    base = {"run_id": run_id, "pool_id": q.pool_id, "query_id": q.query_id}
+    attributions = [
+        {
+            **base,
+            "memory_id": ctx.memory_ids[i],
+            "position": i,
+            "loo": float(loo[i]),
+            "loo_inconclusive": bool(abs(loo[i]) <= kappa),
+            "shapley": float(state.phi[i]),
+            "shapley_se": float(state.se[i]),
+            "harmful": i in rank_of,
+            "rank": rank_of.get(i),
+            "estimator": plan.estimator,
+            "permutations": 0 if plan.estimator == "exact" else plan.budget,
+        }
+        for i in range(plan.k)
+    ]
+    if plan.estimator == "exact" or state.evaluations == 1 << plan.k:
+        inter = interactions_exact(state.values)
+        support = np.full((plan.k, plan.k), 1 << max(plan.k - 2, 0))
+    else:
+        inter, support = interactions_from_evaluated(state.values)
+    labels = interaction_labels(inter, state.phi, tau)
+    interactions = [
+        {
+            **base,
+            "memory_a": ctx.memory_ids[i],
+            "memory_b": ctx.memory_ids[j],
+            "position_a": i,
+            "position_b": j,
+            "interaction": float(inter[i, j]),
+            "label": str(labels[i, j]),
+            "support": int(support[i, j]),
+        }
+        for i in range(plan.k)
+        for j in range(i + 1, plan.k)
+    ]
+    result = select_clearance(plan.k, state.ranking, state.values, state.correct)
+    clearance = {
+        **base,
+        "context_hash": ctx.context_hash,
+        "cleared": [ctx.memory_ids[i] for i in result.removed],
+        "baseline_utility": result.baseline_utility,
+        "cleared_utility": result.cleared_utility,
+        "gain": result.gain,
+        "baseline_correct": result.baseline_correct,
+        "recovered": result.recovered,
+        "harmful": len(state.ranking),
+        "candidates": result.candidates,
+        "evaluations": state.evaluations,
+        "estimator": plan.estimator,
+    }
+    return CaseRows(attributions, interactions, clearance, result)

@@ -1,0 +1,100 @@
+"""Glue shared by the CLI and the Ray jobs: what to read, then load -> start agents -> audit -> stop agents.
+
+Inputs are loaded and validated before the output folder is created, so bad input writes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from pipeline.audit import AuditConfig, AuditResult, run_audit
+from pipeline.configs import check
+from pipeline.io.loaders import input_files, load_pools, load_queries
+from pipeline.io.locomo import load_locomo
+from pipeline.io.records import Pool, Query
+
+log = logging.getLogger(__name__)
+
+
+def sample_paths() -> tuple[Path, Path]:
+    """The bundled sample pool (our own text) and its queries."""
+    root = resources.files("pipeline") / "data" / "sample"
+    return Path(str(root / "memories.jsonl")), Path(str(root / "queries.jsonl"))
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """Where the memories and queries come from: JSONL/Parquet files, LoCoMo, or (neither given) the sample pool."""
+
+    memories: tuple[str, ...] = ()
+    queries: tuple[str, ...] = ()
+    locomo: str | None = None
+    conversations: tuple[str, ...] = ()
+    locomo_options: int = 4
+    max_queries: int = 0  # 0 = all
+
+    def __post_init__(self) -> None:
+        w = "inputs"
+        object.__setattr__(self, "memories", tuple(self.memories))
+        object.__setattr__(self, "queries", tuple(self.queries))
+        object.__setattr__(self, "conversations", tuple(self.conversations))
+        check(not (self.locomo and (self.memories or self.queries)), w, "give either locomo or memories+queries, not both")
+        check(bool(self.memories) == bool(self.queries), w, "memories and queries must be given together")
+        check(self.max_queries >= 0, w, f"max_queries={self.max_queries}; must be >= 0")
+        check(self.locomo_options == 0 or self.locomo_options >= 2, w, "locomo_options must be 0 (open answers) or >= 2")
+
+    @property
+    def is_sample(self) -> bool:
+        return not self.locomo and not self.memories
+
+    def load(self) -> tuple[dict[str, Pool], list[Query], list[str]]:
+        """(pools, queries, files read). Raises InputError on the first malformed record."""
+        if self.locomo:
+            pools, queries = load_locomo(self.locomo, self.locomo_options, conversations=list(self.conversations) or None)
+            files = [self.locomo]
+        else:
+            mem, qry = (self.memories, self.queries) if self.memories else tuple(map(lambda p: (str(p),), sample_paths()))
+            pools = load_pools(mem)
+            queries = load_queries(qry, pools)
+            files = [str(f) for p in (*mem, *qry) for f in input_files(p)]
+        if self.max_queries:
+            queries = queries[: self.max_queries]
+        return pools, queries, files
+
+
+def build_executor(config: AuditConfig):
+    if config.executor == "local":
+        from pipeline.executors import LocalExecutor
+
+        return LocalExecutor(config.agent_spec, config.utility)
+    from pipeline.ray_exec import RayExecutor
+
+    return RayExecutor(config.agent_spec, config.utility, config.actors, config.cpus_per_actor, config.gpus_per_actor)
+
+
+def audit(inputs: InputSpec, config: AuditConfig, out: str | Path, progress: bool = True) -> AuditResult:
+    """Load and validate inputs, start agents (Ray actors unless executor='local'), run the audit, stop agents."""
+    pools, queries, files = inputs.load()
+    log.info("loaded %d pools, %d queries", len(pools), len(queries))
+    started_ray = False
+    t = time.perf_counter()
+    if config.executor == "ray":
+        from pipeline.ray_exec import init_ray
+
+        started_ray = init_ray()
+    executor = build_executor(config)
+    startup = time.perf_counter() - t
+    try:
+        result = run_audit(pools, queries, config, out, executor, executor.fingerprint, files, progress)
+    finally:
+        executor.close()
+        if started_ray:
+            import ray
+
+            ray.shutdown()
+    result.timings["agents_startup_s"] = startup
+    return result
