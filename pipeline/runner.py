@@ -12,7 +12,8 @@ from importlib import resources
 from pathlib import Path
 
 from pipeline.audit import AuditConfig, AuditResult, run_audit
-from pipeline.configs import check
+from pipeline.configs import check, from_mapping
+from pipeline.errors import ConfigError
 from pipeline.io.loaders import input_files, load_pools, load_queries
 from pipeline.io.locomo import load_locomo
 from pipeline.io.records import Pool, Query
@@ -98,3 +99,36 @@ def audit(inputs: InputSpec, config: AuditConfig, out: str | Path, progress: boo
             ray.shutdown()
     result.timings["agents_startup_s"] = startup
     return result
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """A YAML job file: `inputs` (InputSpec keys), `out` (may contain {date}), `audit` (AuditConfig keys)."""
+
+    inputs: InputSpec
+    audit: AuditConfig
+    out: str
+
+
+def load_job_config(path: str | Path) -> JobConfig:
+    import datetime
+
+    import yaml
+
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"job config {path}: does not exist") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"job config {path}: not valid YAML ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"job config {path}: must be a mapping with keys inputs, audit, out")
+    unknown = sorted(set(raw) - {"inputs", "audit", "out"})
+    if unknown:
+        raise ConfigError(f"job config {path}: unknown key(s) {unknown}; allowed ['audit', 'inputs', 'out']")
+    if "out" not in raw:
+        raise ConfigError(f"job config {path}: 'out' (the run folder) is required")
+    inputs = from_mapping(InputSpec, raw.get("inputs"), f"job config {path}: inputs")
+    audit_cfg = from_mapping(AuditConfig, raw.get("audit"), f"job config {path}: audit")
+    out = str(raw["out"]).format(date=datetime.date.today().isoformat())
+    return JobConfig(inputs, audit_cfg, out)

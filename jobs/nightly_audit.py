@@ -1,0 +1,39 @@
+"""Nightly memory-health audit as a Ray job.
+
+    ray job submit --address http://HEAD:8265 --runtime-env env.yaml -- \\
+        python jobs/nightly_audit.py --config jobs/configs/nightly_audit.yaml
+
+Under `ray job submit` RAY_ADDRESS is set and the audit joins that cluster; run directly, it starts a local Ray.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from pipeline.cli import print_summary
+from pipeline.errors import MeClearError
+from pipeline.runner import audit, load_job_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="YAML with inputs, audit and out")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        job = load_job_config(args.config)
+        t = time.perf_counter()
+        result = audit(job.inputs, job.audit, job.out, progress=not args.no_progress)
+    except MeClearError as exc:
+        print(f"nightly_audit: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    print_summary(result, time.perf_counter() - t)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
