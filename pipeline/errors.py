@@ -17,8 +17,8 @@ class InputError(MeClearError):
     def __init__(self, path: str, where: str, field: str | None, problem: str):
         self.path, self.where, self.field, self.problem = str(path), where, field, problem
         loc = f"{self.path}:{where}" if where else self.path
-        fld = f" field '{field}'" if field else ""
-        super().__init__(f"{loc}:{fld} {problem}".replace(": ", ": ", 1))
+        fld = f"field '{field}' " if field else ""
+        super().__init__(f"{loc}: {fld}{problem}")
 
 
 class ConfigError(MeClearError):
