@@ -95,3 +95,20 @@ def test_outputs_are_keyed_and_consistent(tmp_path):
         v_full = u.filter(pl.col("coalition") == 31)["utility"][0]
         v_empty = u.filter(pl.col("coalition") == 0)["utility"][0]
         assert g["shapley"].sum() == pytest.approx(v_full - v_empty, abs=1e-9)
+
+
+@pytest.mark.parametrize("dense", ["off", "auto"])
+def test_sample_pool_planted_faults_fail_and_are_recovered(tmp_path, dense):
+    """Every query with planted records is answered wrongly (not by a tie) and its clearance restores the answer;
+    every other query is answered correctly. Holds with BM25 alone and with hybrid retrieval."""
+    pools, _, _ = InputSpec().load()
+    targets = {m.metadata["query_id"] for p in pools.values() for m in p.memories if m.metadata}
+    result, _ = audit(tmp_path, utility="correct", dense=dense)
+    by_query = {c["query_id"]: c for c in result.clearances}
+    util = pl.read_parquet(tmp_path / "out" / "utilities").filter(pl.col("coalition") == 31)
+    for qid, c in by_query.items():
+        if qid in targets:
+            assert not c["baseline_correct"] and c["recovered"] and c["cleared"], qid
+            assert util.filter(pl.col("query_id") == qid)["answer"][0] != "", f"{qid}: wrong by a tie"
+        else:
+            assert c["baseline_correct"] and not c["cleared"], qid

@@ -3,8 +3,8 @@
 For multiple choice, the support of option o is sum over memories m of relevance(m, question) x match(m, o), where
 relevance is the fraction of the question's content words that m contains and match is the fraction of o's
 distinctive words (words no other option has, question words excluded) that m contains. Probabilities are a softmax of
-beta x support over the options, so an empty context gives the uniform distribution (no option is the strict argmax,
-which the utility scoring counts as not correct).
+beta x support over the options, so an empty context gives the uniform distribution. When no option is the strict
+argmax the reader abstains (answer ""), which the utility scoring counts as not correct.
 Open questions: the answer is the most relevant memory's utterance (text after the speaker), scored by token-F1.
 
 Support is additive over memories while the softmax is not, so the reader shows the structures MeClear is about:
@@ -51,12 +51,14 @@ def _utterance(text: str) -> str:
 
 class ReaderAgent:
     name = "reader"
+    version = 2  # bump whenever answers change: the fingerprint keys cached utilities
+
 
     def __init__(self, config: ReaderConfig | None = None):
         self.config = config or ReaderConfig()
 
     def fingerprint(self) -> str:
-        return f"reader-{fingerprint(self.config)}"
+        return f"reader-v{self.version}-{fingerprint(self.config)}"
 
     def _answer(self, req: AgentRequest) -> AgentResponse:
         q = set(tokens(req.question))
@@ -73,7 +75,9 @@ class ReaderAgent:
         z = self.config.beta * support
         p = np.exp(z - z.max())
         p /= p.sum()
-        return AgentResponse(tuple(float(x) for x in p), req.options[int(np.argmax(p))])
+        top = np.sort(p)[::-1]
+        tied = len(top) > 1 and top[0] - top[1] <= 1e-12
+        return AgentResponse(tuple(float(x) for x in p), "" if tied else req.options[int(np.argmax(p))])
 
     def answer_batch(self, requests: Sequence[AgentRequest]) -> list[AgentResponse]:
         return [self._answer(r) for r in requests]
