@@ -54,7 +54,8 @@ class AgentActor:
 
 
 class RayExecutor:
-    """An actor pool of agents. `actors=0` sizes the pool from the cluster's free CPUs (or GPUs when actors need them)."""
+    """An actor pool of agents. `actors=0` sizes the pool: one per free GPU (gpus_per_actor > 0), one LLM engine on a
+    CPU-only cluster, or one reader per free CPU."""
 
     def __init__(
         self,
@@ -74,6 +75,8 @@ class RayExecutor:
                 actors = int(res.get("GPU", 0) // gpus_per_actor)
                 if actors == 0:
                     raise ConfigError(f"ray executor: gpus_per_actor={gpus_per_actor} but the cluster has no free GPU")
+            elif spec.name != "reader":
+                actors = 1  # an LLM engine on CPU already uses every core; a second one would only contend
             else:
                 actors = max(1, int(res.get("CPU", 1) // max(cpus_per_actor, 1e-9)))
         remote = ray.remote(num_cpus=cpus_per_actor, num_gpus=gpus_per_actor)(AgentActor)
