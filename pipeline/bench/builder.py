@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from pipeline.agents.base import Agent
+from pipeline.agents.utility import score
 from pipeline.bench.faults import MECHANISMS, STRONG_TEMPLATES, FaultSpec, content_words, fault_memories, fault_specs
 from pipeline.bench.index import PoolIndex
 from pipeline.bench.oracle import CaseOracle
@@ -34,7 +36,7 @@ from pipeline.io.records import Pool, Query
 log = logging.getLogger(__name__)
 
 CATEGORIES = ("1", "2", "3", "4")  # LoCoMo single-hop, temporal, open-domain, multi-hop (5 = adversarial, excluded)
-BLOCK = 32  # clean queries whose candidate faults are embedded in one batch (fewer under a small max_cases)
+BLOCK = 32  # clean queries tried together, so their candidate faults are embedded in shared batches
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,19 @@ def verify(agent: Agent, case: BenchCase) -> bool:
     return passes(case.mechanism, CaseOracle(agent, case.case).outcome(np.array(masks)).tolist())
 
 
+def cap_cases(cases: list[BenchCase], cap: int) -> list[BenchCase]:
+    """The first `cap` cases of each mechanism, in the given order (cap 0: all)."""
+    if not cap:
+        return list(cases)
+    seen: Counter[str] = Counter()
+    out = []
+    for c in cases:
+        seen[c.mechanism] += 1
+        if seen[c.mechanism] <= cap:
+            out.append(c)
+    return out
+
+
 def eligible_queries(queries: list[Query]) -> list[Query]:
     return [q for q in queries if q.category in CATEGORIES and q.evidence and len(q.options) >= 2]
 
@@ -138,11 +153,12 @@ def clean_queries(agent: Agent, index: PoolIndex, queries: list[Query]) -> list[
     """(query, question embedding) of the queries the agent answers correctly on their clean frozen context."""
     q_emb = index.embed([q.question for q in queries])
     cases = [Case(q, index.freeze(q, None if q_emb is None else q_emb[i]), 0) for i, q in enumerate(queries)]
-    out = []
-    for i, c in enumerate(cases):
-        if CaseOracle(agent, c).outcome(np.array([full_mask(c.k)]))[0]:
-            out.append((queries[i], None if q_emb is None else q_emb[i]))
-    return out
+    responses = agent.answer_batch([c.request(full_mask(c.k)) for c in cases])  # one batch for the whole pool
+    return [
+        (q, None if q_emb is None else q_emb[i])
+        for i, (q, r) in enumerate(zip(queries, responses, strict=True))
+        if score(r, q.options, q.answer, "correct")[1]
+    ]
 
 
 def build_pool(
@@ -159,45 +175,52 @@ def build_pool(
     def full(m: str) -> bool:
         return cap is not None and counts[m].verified >= cap
 
-    step = BLOCK if cap is None else max(4, min(BLOCK, cap))  # a small cap should not embed faults it never tries
+    step = BLOCK if cap is None else max(4, min(BLOCK, cap))  # a small cap should not try queries it never keeps
     for start in range(0, len(clean), step):
-        if all(full(m) for m in config.mechanisms):
-            break
-        block = []  # (query, q_emb, mechanism, [(spec, faults)])
+        pending = []  # [query, q_emb, mechanism, candidates, index of the next candidate]
         for query, q_emb in clean[start : start + step]:
             words = content_words(query.question, idf)
             for m in config.mechanisms:
-                specs = fault_specs(m, query, pool, len(words), config.redundancy, _rng(config.seed, query.query_id, m),
-                                    config.max_distractors)
+                if full(m):
+                    continue
+                counts[m].tried += 1
+                rng = _rng(config.seed, query.query_id, m)
                 case_id = f"{query.query_id}:{m}"
-                block.append((query, q_emb, m, [(s, fault_memories(pool.pool_id, case_id, s, query.question, words))
-                                                 for s in specs]))
-        texts = [f.text for *_, cands in block for _, faults in cands for f in faults]
-        emb = index.embed(texts)
-        offsets = np.cumsum([0] + [len(faults) for *_, cands in block for _, faults in cands])
-        ci = 0  # running candidate number: candidate ci's embeddings are emb[offsets[ci]:offsets[ci + 1]]
-        for query, q_emb, m, cands in block:
-            first, ci = ci, ci + len(cands)
-            if full(m):
-                continue
-            counts[m].tried += 1
-            for j, (spec, faults) in enumerate(cands):
-                f_emb = None if emb is None else emb[offsets[first + j] : offsets[first + j + 1]]
+                specs = fault_specs(m, query, pool, len(words), config.redundancy, rng, config.max_distractors)
+                cands = [(sp, fault_memories(pool.pool_id, case_id, sp, query.question, words)) for sp in specs]
+                pending.append([query, q_emb, m, cands, 0])
+        # Waves: candidate j of every unresolved (query, mechanism) is embedded in one batch, so only the fault sets
+        # actually tried are embedded (MiniLM on 2 cores is the builder's main cost).
+        while pending:
+            tries = [(e, *e[3][e[4]]) for e in pending]
+            emb = index.embed([f.text for _, _, faults in tries for f in faults])
+            offsets = np.cumsum([0] + [len(faults) for _, _, faults in tries])
+            still = []
+            for j, (e, spec, faults) in enumerate(tries):
+                query, q_emb, m = e[0], e[1], e[2]
                 counts[m].candidates += 1
-                ctx = index.freeze(query, q_emb, faults, f_emb)
+                ctx = index.freeze(query, q_emb, faults, None if emb is None else emb[offsets[j] : offsets[j + 1]])
                 ids = tuple(f.memory_id for f in faults)
                 if not set(ids) <= set(ctx.memory_ids):
                     counts[m].not_retrieved += 1
-                    continue
-                case_id = f"{query.query_id}:{m}"
-                bc = BenchCase(case_id, m, Case(query, ctx, case_seed(config.seed, query.pool_id, case_id)), ids, spec)
-                if verify(agent, bc):
-                    counts[m].verified += 1
-                    kept.append(bc)
-                    break
-                counts[m].check_failed += 1
+                else:
+                    case_id = f"{query.query_id}:{m}"
+                    seed = case_seed(config.seed, query.pool_id, case_id)
+                    bc = BenchCase(case_id, m, Case(query, ctx, seed), ids, spec)
+                    if verify(agent, bc):
+                        counts[m].verified += 1
+                        kept.append(bc)
+                        continue
+                    counts[m].check_failed += 1
+                e[4] += 1
+                if e[4] < len(e[3]):
+                    still.append(e)
+            pending = still
         if progress is not None:
             progress(min(start + step, len(clean)), len(clean))
+    order = {q.query_id: i for i, (q, _) in enumerate(clean)}
+    kept.sort(key=lambda c: (order[c.case.query.query_id], MECHANISMS.index(c.mechanism)))
+    kept = cap_cases(kept, config.max_cases)
     log.info("%s: %d eligible, %d clean, kept %s", pool.pool_id, len(eligible), len(clean),
              {m: c.verified for m, c in counts.items()})
     return BuildResult(kept, len(eligible), len(clean), counts)

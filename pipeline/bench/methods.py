@@ -1,0 +1,186 @@
+"""The benchmarked methods, run on one fault-injected case: attribution, harmful ranking, clearance, recovery.
+
+Every method sees the case only through a counting oracle (`CachedOracle`) in one utility mode, so its reported
+`evaluations` are the distinct coalitions it asked for, clearance checks included. The agent itself answers each
+coalition once per case (`CaseOracle`); both utility modes and all methods read from that table.
+
+- meclear_l{L}: L permutations forced (make_plan(..., estimator="permutation")), plus the LOO coalitions the plan
+  always holds; meclear_exact: all 2^K coalitions. Shapley values, harmful ranking (phi < -tau, ties by LOO), nested
+  verified clearance. Pairwise interactions are diagnostics in MeClear and do not enter the ranking or the clearance,
+  so the benchmark does not compute them.
+- loo: rank by LOO effect, same nested clearance; loo_threshold: remove every memory with loo < -tau at once.
+- contextcite, proxyspex: `pipeline.bench.baselines`, same ranking rule (without LOO tie-break: it would cost
+  evaluations they do not make) and the same nested clearance.
+- filter: the agent's own `drop_memories` (LLM agents) or, for agents without one, the relevance-threshold filter on
+  lexical relevance (the fraction of the question's content words a memory contains); no nested search.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeline.agents.base import Agent
+from pipeline.bench.baselines import CachedOracle, context_cite, loo, proxyspex, relevance_filter
+from pipeline.bench.builder import BenchCase
+from pipeline.bench.oracle import CaseOracle
+from pipeline.errors import ConfigError
+from pipeline.game import harmful_ranking, make_plan, select_clearance, shapley_exact, shapley_permutation
+from pipeline.game.attribution import loo_effects
+from pipeline.game.clearance import clearance_coalitions
+from pipeline.game.plan import full_mask
+from pipeline.retrieval import tokens
+
+FAMILIES = ("meclear", "loo", "contextcite", "proxyspex", "filter")
+DEFAULT_BUDGETS = (4, 8, 16)
+
+
+@dataclass(frozen=True)
+class MethodConfig:
+    tau: float = 0.05
+    kappa: float = 0.05  # LOO screen tolerance; recorded, it does not change a ranking or a clearance
+    contextcite_masks: int = 64
+    proxyspex_masks: int = 64
+    filter_threshold: float = 0.5  # relevance filter: drop memories with fewer than this share of question words
+
+    def __post_init__(self) -> None:
+        for name in ("tau", "kappa", "filter_threshold"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or v < 0:
+                raise ConfigError(f"method config: {name}={v!r}; must be a number >= 0")
+        for name in ("contextcite_masks", "proxyspex_masks"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(f"method config: {name}={v!r}; must be an integer >= 1")
+
+
+def expand_methods(names: list[str] | tuple[str, ...], budgets: tuple[int, ...] = DEFAULT_BUDGETS) -> tuple[str, ...]:
+    """Method names from CLI words: 'meclear' -> meclear_l<L> for each budget + meclear_exact, 'loo' -> loo +
+    loo_threshold; single names (meclear_l8, meclear_exact, loo_threshold, ...) pass through. Order kept, no repeats."""
+    out: list[str] = []
+    for n in names:
+        if n == "meclear":
+            out += [f"meclear_l{b}" for b in budgets] + ["meclear_exact"]
+        elif n == "loo":
+            out += ["loo", "loo_threshold"]
+        elif n in ("contextcite", "proxyspex", "filter", "loo_threshold", "meclear_exact") or _budget(n) is not None:
+            out.append(n)
+        else:
+            raise ConfigError(
+                f"methods: {n!r} is not a method; allowed {FAMILIES}, loo_threshold, meclear_exact, meclear_l<L>"
+            )
+    return tuple(dict.fromkeys(out))
+
+
+def _budget(name: str) -> int | None:
+    if name.startswith("meclear_l") and name[9:].isdigit() and int(name[9:]) >= 1:
+        return int(name[9:])
+    return None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One method's result on one case in one utility mode (positions in the frozen context)."""
+
+    ranking: tuple[int, ...]
+    cleared: tuple[int, ...]
+    recovered: bool
+    evaluations: int
+    baseline_utility: float | None
+    cleared_utility: float | None
+    estimator: str
+
+
+def _clear(k: int, ranking: np.ndarray, ev: CachedOracle) -> tuple[tuple[int, ...], bool, float, float]:
+    """Nested verified clearance over `ranking`, evaluating its candidates through `ev`."""
+    kept = clearance_coalitions(k, ranking)
+    util, ok = ev(kept)
+    values = np.full(1 << k, np.nan)
+    correct = np.zeros(1 << k, dtype=bool)
+    values[kept], correct[kept] = util, ok
+    c = select_clearance(k, ranking, values, correct)
+    return c.removed, c.recovered, c.baseline_utility, c.cleared_utility
+
+
+def _ranked(k: int, attribution: np.ndarray, ev: CachedOracle, tau: float, name: str,
+            loo_tie: np.ndarray | None = None) -> Outcome:
+    ranking = harmful_ranking(attribution, tau, loo_tie)
+    removed, recovered, base, cleared = _clear(k, ranking, ev)
+    return Outcome(tuple(int(i) for i in ranking), removed, recovered, ev.evaluations, base, cleared, name)
+
+
+def meclear(k: int, ev: CachedOracle, budget: int | None, seed: int, tau: float) -> Outcome:
+    """MeClear with L=budget forced permutations, or exact enumeration (budget None)."""
+    plan = make_plan(k, budget or 16, "exact" if budget is None else "permutation", seed=seed)
+    util, _ = ev(plan.coalitions)
+    values = np.full(1 << k, np.nan)
+    values[plan.coalitions] = util
+    phi = shapley_exact(values) if budget is None else shapley_permutation(values, plan.permutations)[0]
+    return _ranked(k, phi, ev, tau, plan.estimator, loo_effects(values))
+
+
+def _lexical_relevance(question: str, texts: tuple[str, ...]) -> np.ndarray:
+    q = set(tokens(question))
+    return np.array([len(q & set(tokens(t))) / max(len(q), 1) for t in texts])
+
+
+def run_method(method: str, bc: BenchCase, agent: Agent, oracle: CaseOracle, utility: str, cfg: MethodConfig,
+               drop: list[int] | None = None) -> Outcome:
+    """One method on one case in one utility mode. `drop`: the LLM filter's answer (mode-independent, asked once)."""
+    case, k = bc.case, bc.case.k
+    ev = CachedOracle(k, oracle.mode(utility))
+    if method == "meclear_exact" or _budget(method) is not None:
+        return meclear(k, ev, _budget(method), case.seed, cfg.tau)
+    if method in ("loo", "loo_threshold"):
+        a = loo(k, ev).attribution
+        if method == "loo":
+            return _ranked(k, a, ev, cfg.tau, "loo", a)
+        ranking = harmful_ranking(a, cfg.tau, a)
+        kept = full_mask(k) & ~sum(1 << int(i) for i in ranking)
+        util, ok = ev(np.array([full_mask(k), kept]))
+        r = tuple(int(i) for i in ranking)
+        return Outcome(r, r, bool(ok[1]), ev.evaluations, float(util[0]), float(util[1]), "loo")
+    if method == "contextcite":
+        return _ranked(k, context_cite(k, ev, cfg.contextcite_masks, seed=case.seed).attribution, ev, cfg.tau, method)
+    if method == "proxyspex":
+        return _ranked(k, proxyspex(k, ev, cfg.proxyspex_masks, seed=case.seed).attribution, ev, cfg.tau, method)
+    if method == "filter":
+        if drop is not None:  # the LLM filter: drop what the model says, check the result once
+            r = tuple(sorted(int(i) for i in drop))
+            kept = full_mask(k) & ~sum(1 << i for i in r)
+            util, ok = ev(np.array([kept]))
+            return Outcome(r, r, bool(ok[0]), ev.evaluations, None, float(util[0]), "llm_filter")
+        res = relevance_filter(_lexical_relevance(case.query.question, case.context.texts), cfg.filter_threshold, ev)
+        r = tuple(res.extras["cleared"])  # type: ignore[arg-type]
+        return Outcome(r, r, bool(res.extras["recovered"]), ev.evaluations, None,
+                       float(res.extras["cleared_utility"]), "relevance_filter")  # type: ignore[arg-type]
+    raise ConfigError(f"methods: {method!r} is not a method")
+
+
+def run_case(bc: BenchCase, agent: Agent, methods: tuple[str, ...], utilities: tuple[str, ...],
+             cfg: MethodConfig) -> list[tuple[str, str, Outcome]]:
+    """Every (method, utility mode) on one case: [(method, utility, outcome)]."""
+    oracle = CaseOracle(agent, bc.case)
+    if "meclear_exact" in methods:
+        oracle.fetch(np.arange(1 << bc.case.k))  # all of them are needed anyway: one agent batch
+    drop = None
+    if "filter" in methods and hasattr(agent, "drop_memories"):
+        from pipeline.agents.llm_filter import filter_memories
+
+        q = bc.case.query
+        drop = filter_memories(agent, q.question, q.options, bc.case.context.texts)  # type: ignore[arg-type]
+    with _fast_sklearn():
+        return [(m, u, run_method(m, bc, agent, oracle, u, cfg, drop)) for u in utilities for m in methods]
+
+
+def _fast_sklearn():
+    """sklearn without per-call input and parameter validation: ProxySPEX fits 200 boosting stages per case and mode,
+    and validation was a third of that time. Inputs here are finite 0/1 matrices and utilities made by this module."""
+    try:
+        import sklearn
+    except ImportError:
+        from contextlib import nullcontext
+
+        return nullcontext()
+    return sklearn.config_context(assume_finite=True, skip_parameter_validation=True)

@@ -1,0 +1,245 @@
+"""FI-LoCoMo outputs: per-case rows (cases.parquet), the bootstrap summary (summary.json), the paper-style tables
+(summary.md) and the figure (figure.png). Plain functions over plain data; files are written atomically."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.bench.bootstrap import bootstrap_groups
+from pipeline.bench.faults import MECHANISMS
+from pipeline.bench.metrics import METRICS, CaseResult
+from pipeline.bench.schema import CASES
+
+COUNT_METRICS = ("extra_background", "evaluations_per_case")  # reported as counts, not fractions
+HEADLINE = ("recall_at_m", "complete_set_recall", "exact_set_match", "task_recovery", "residual_error_risk",
+            "extra_background", "evaluations_per_case")
+
+
+def case_rows(result, run_id: str) -> list[dict]:
+    """One row per (case, method, utility), in CASES column order."""
+    rows = []
+    for bc, outs in result.outcomes:
+        ids = bc.case.context.memory_ids
+        q = bc.case.query
+        for method, utility, o in outs:
+            rows.append({
+                "run_id": run_id,
+                "case_id": bc.case_id,
+                "conversation": q.pool_id,
+                "query_id": q.query_id,
+                "mechanism": bc.mechanism,
+                "method": method,
+                "utility": utility,
+                "faults": list(bc.faults),
+                "ranking": [ids[i] for i in o.ranking],
+                "cleared": [ids[i] for i in o.cleared],
+                "recovered": o.recovered,
+                "evaluations": o.evaluations,
+                "baseline_utility": o.baseline_utility,
+                "cleared_utility": o.cleared_utility,
+                "estimator": o.estimator,
+                "permutations": int(method[9:]) if method.startswith("meclear_l") else None,
+                "agent": result.agent_fingerprint,
+                "seed": result.config.seed,
+            })
+    return rows
+
+
+def to_case_results(rows: list[dict]) -> list[CaseResult]:
+    return [
+        CaseResult(r["case_id"], r["conversation"], r["mechanism"], r["method"], r["utility"], tuple(r["faults"]),
+                   tuple(r["ranking"]), tuple(r["cleared"]), r["recovered"], r["evaluations"])
+        for r in rows
+    ]
+
+
+def _groups(results: list[CaseResult]) -> dict[tuple[str, str], list[CaseResult]]:
+    out: dict[tuple[str, str], list[CaseResult]] = {}
+    for c in results:
+        out.setdefault(c.group, []).append(c)
+    return out
+
+
+def summarize(result, rows: list[dict], run_id: str, source_sha256: str) -> dict:
+    """The summary.json document: counts, per-mode per-method metrics with 95% cluster-bootstrap intervals (overall
+    and by mechanism), paired differences versus LOO, the config, the agent fingerprint and the timings."""
+    cfg = result.config
+    results = to_case_results(rows)
+    reference = "loo" if "loo" in cfg.methods else None
+    overall = bootstrap_groups(_groups(results), reference, cfg.replicates, cfg.seed) if results else {}
+    by_mech = {
+        m: bootstrap_groups(_groups(sub), reference, cfg.replicates, cfg.seed)
+        for m in MECHANISMS
+        if (sub := [c for c in results if c.mechanism == m])
+    }
+    modes: dict[str, dict] = {}
+    for utility in cfg.utility:
+        methods = {}
+        for method in cfg.methods:
+            g = (method, utility)
+            if g not in overall:
+                continue
+            entry = {
+                "n_cases": sum(1 for c in results if c.group == g),
+                "overall": overall[g]["metrics"],
+                "by_mechanism": {m: b[g]["metrics"] for m, b in by_mech.items()},
+            }
+            if "vs_reference" in overall[g]:
+                entry["paired_vs_loo"] = overall[g]["vs_reference"]
+                entry["paired_vs_loo_by_mechanism"] = {m: b[g]["vs_reference"] for m, b in by_mech.items()}
+            methods[method] = entry
+        modes[utility] = {"methods": methods}
+    kept = {m: sum(1 for c in result.cases if c.mechanism == m) for m in MECHANISMS}
+    return {
+        "benchmark": "FI-LoCoMo",
+        "run_id": run_id,
+        "cases": {m: {**asdict(result.counts[m]), "kept": kept[m]} for m in MECHANISMS},
+        "queries": result.queries,
+        "n_cases": len(result.cases),
+        "fault_records": sum(len(c.faults) for c in result.cases),
+        "utility_modes": modes,
+        "metrics": {"fractions": [m for m in METRICS if m not in COUNT_METRICS], "counts": list(COUNT_METRICS),
+                    "intervals": f"95% two-level cluster bootstrap (conversations, then cases), {cfg.replicates} "
+                                 "replicates, percentile; paired differences taken per case before resampling"},
+        "config": asdict(cfg),
+        "agent": result.agent_fingerprint,
+        "retrieval": result.retrieval,
+        "source": {"path": cfg.locomo, "sha256": source_sha256},
+        "timings": dict(result.timings),
+    }
+
+
+def _fmt(iv: dict, metric: str) -> str:
+    if metric in COUNT_METRICS:
+        return f"{iv['value']:.2f} [{iv['ci_low']:.2f}, {iv['ci_high']:.2f}]"
+    return f"{100 * iv['value']:.1f} [{100 * iv['ci_low']:.1f}, {100 * iv['ci_high']:.1f}]"
+
+
+def _diff(iv: dict, metric: str) -> str:
+    scale, unit = (1, "") if metric in COUNT_METRICS else (100, "")
+    return f"{scale * iv['value']:+.1f}{unit} [{scale * iv['ci_low']:+.1f}, {scale * iv['ci_high']:+.1f}]"
+
+
+def markdown(summary: dict) -> str:
+    """Paper-style tables: method x metric with 95% intervals, per utility mode; per-mechanism recall and recovery;
+    paired differences versus LOO; sensitivity to the permutation budget L."""
+    lines = ["# FI-LoCoMo results", ""]
+    cfg = summary["config"]
+    lines += [f"Agent `{summary['agent']}`, retrieval {summary['retrieval']} (K={cfg['top_k']}), tau=kappa="
+              f"{cfg['tau']}, seed {cfg['seed']}, {cfg['replicates']} bootstrap replicates. Percentages with 95% "
+              "two-level cluster-bootstrap intervals; extra_background and evaluations_per_case are per-case counts.",
+              "", "## Cases", "", "| mechanism | tried | verified | kept | fault sets written | not retrieved | "
+              "check failed |", "|---|---|---|---|---|---|---|"]
+    for m, c in summary["cases"].items():
+        lines.append(f"| {m} | {c['tried']} | {c['verified']} | {c['kept']} | {c['candidates']} | "
+                     f"{c['not_retrieved']} | {c['check_failed']} |")
+    q = summary["queries"]
+    lines += ["", f"{q['eligible']} eligible queries (categories 1-4 with evidence), {q['clean']} answered correctly "
+              f"on their clean context; {summary['n_cases']} cases, {summary['fault_records']} fault records.", ""]
+    for mode, body in summary["utility_modes"].items():
+        methods = body["methods"]
+        lines += [f"## Utility: {mode}", "", "| method | n | " + " | ".join(HEADLINE) + " |",
+                  "|---|---|" + "---|" * len(HEADLINE)]
+        for name, e in methods.items():
+            lines.append(f"| {name} | {e['n_cases']} | " + " | ".join(_fmt(e["overall"][k], k) for k in HEADLINE)
+                         + " |")
+        lines += ["", f"### By mechanism ({mode})", "", "| method | " + " | ".join(
+            f"{m} {k}" for m in MECHANISMS for k in ("recall_at_m", "task_recovery")) + " |",
+            "|---|" + "---|" * (2 * len(MECHANISMS))]
+        for name, e in methods.items():
+            cells = [_fmt(e["by_mechanism"][m][k], k) if m in e["by_mechanism"] else "-"
+                     for m in MECHANISMS for k in ("recall_at_m", "task_recovery")]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        paired = {n: e["paired_vs_loo"] for n, e in methods.items() if "paired_vs_loo" in e}
+        if paired:
+            keys = ("recall_at_m", "complete_set_recall", "exact_set_match", "task_recovery")
+            lines += ["", f"### Paired difference vs LOO ({mode}, percentage points)", "",
+                      "| method | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
+            for name, d in paired.items():
+                lines.append(f"| {name} | " + " | ".join(_diff(d[k], k) for k in keys) + " |")
+        sens = [n for n in methods if n.startswith("meclear_")]
+        if sens:
+            keys = ("recall_at_m", "complete_set_recall", "exact_set_match", "task_recovery", "extra_background",
+                    "evaluations_per_case")
+            lines += ["", f"### Sensitivity to the permutation budget L ({mode})", "",
+                      "| method | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
+            for name in sens:
+                lines.append(f"| {name} | " + " | ".join(_fmt(methods[name]["overall"][k], k) for k in keys) + " |")
+        lines.append("")
+    t = summary["timings"]
+    lines += ["## Timings", "", ", ".join(f"{k} {v:.1f}" for k, v in t.items()), "", "![figure](figure.png)", ""]
+    return "\n".join(lines)
+
+
+def figure(summary: dict, path: Path) -> None:
+    """Recall@|M| and task recovery by mechanism (bars with 95% intervals) and MeClear's sensitivity to L, one row per
+    utility mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = list(summary["utility_modes"])
+    fig, axes = plt.subplots(len(modes), 3, figsize=(17, 4.2 * len(modes)), squeeze=False)
+    for row, mode in enumerate(modes):
+        methods = summary["utility_modes"][mode]["methods"]
+        names = list(methods)
+        for col, metric in enumerate(("recall_at_m", "task_recovery")):
+            ax = axes[row, col]
+            width = 0.8 / max(len(names), 1)
+            for j, name in enumerate(names):
+                bm = methods[name]["by_mechanism"]
+                x = np.arange(len(MECHANISMS)) + (j - (len(names) - 1) / 2) * width
+                iv = [bm.get(m, {}).get(metric, {"value": np.nan, "ci_low": np.nan, "ci_high": np.nan})
+                      for m in MECHANISMS]
+                v = np.array([i["value"] for i in iv])
+                err = np.array([[i["value"] - i["ci_low"] for i in iv], [i["ci_high"] - i["value"] for i in iv]])
+                ax.bar(x, v, width, yerr=err, capsize=2, label=name)
+            ax.set_xticks(np.arange(len(MECHANISMS)), MECHANISMS)
+            ax.set_ylim(0, 1.05)
+            ax.set_title(f"{metric} by mechanism ({mode})")
+        ax = axes[row, 2]
+        sens = [n for n in names if n.startswith("meclear_")]
+        for metric in ("recall_at_m", "complete_set_recall", "exact_set_match", "task_recovery"):
+            iv = [methods[n]["overall"][metric] for n in sens]
+            v = np.array([i["value"] for i in iv])
+            err = np.array([[i["value"] - i["ci_low"] for i in iv], [i["ci_high"] - i["value"] for i in iv]])
+            ax.errorbar(np.arange(len(sens)), v, yerr=err, marker="o", capsize=3, label=metric)
+        ax.set_xticks(np.arange(len(sens)), [n.removeprefix("meclear_") for n in sens])
+        ax.set_ylim(0, 1.05)
+        ax.set_title(f"MeClear sensitivity to L ({mode})")
+        ax.legend(fontsize=7)
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=max(len(labels), 1), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def write_outputs(out: Path, rows: list[dict], summary: dict) -> None:
+    """cases.parquet, summary.json, summary.md, figure.png, each written to a temporary name and renamed."""
+    out.mkdir(parents=True, exist_ok=True)
+    table = pa.Table.from_pylist(rows, schema=CASES)
+    tmp = out / f".cases.parquet.{uuid.uuid4().hex[:8]}.tmp"
+    pq.write_table(table, tmp, compression="zstd")
+    os.replace(tmp, out / "cases.parquet")
+    _write_text(out / "summary.json", json.dumps(summary, indent=2, sort_keys=False, default=str))
+    if summary["n_cases"]:
+        figure(summary, out / "figure.png")
+    _write_text(out / "summary.md", markdown(summary))

@@ -1,0 +1,331 @@
+"""FI-LoCoMo orchestration: validate, build cases per conversation, run the methods on every case, write the outputs.
+
+The work runs on `BenchWorker`s, each of which builds its agent and retrieval index once. With executor "local" one
+worker runs in this process; with "ray" a pool of Ray actors does, fed with whole conversations (case building: a
+conversation's pool is indexed and embedded once) and then with chunks of cases (methods). Results do not depend on
+the executor or the sharding: every case is seeded by its own ids.
+
+max_cases caps the kept cases per mechanism over the whole run, taken in file order (conversation, then query):
+each conversation stops trying a mechanism once it has max_cases of them, and the driver keeps the first max_cases.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from pipeline.agents import AGENTS, AgentSpec, build_agent
+from pipeline.agents.utility import UTILITY_MODES
+from pipeline.bench.bootstrap import DEFAULT_REPLICATES
+from pipeline.bench.builder import BenchCase, BuildConfig, BuildResult, MechanismCount, build_pool, cap_cases
+from pipeline.bench.faults import MECHANISMS
+from pipeline.bench.methods import DEFAULT_BUDGETS, MethodConfig, expand_methods, run_case
+from pipeline.configs import check, fingerprint
+from pipeline.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+CHUNK = 16  # cases per Ray task in the methods phase
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Every setting of a benchmark run; validated at construction. `methods` may use the CLI shorthands."""
+
+    locomo: str
+    conversations: tuple[str, ...] = ()  # sample_ids; empty = all
+    max_cases: int = 0  # per mechanism, over the whole run; 0 = no cap
+    methods: tuple[str, ...] = ("meclear", "loo", "contextcite", "proxyspex", "filter")
+    utility: tuple[str, ...] = UTILITY_MODES
+    budgets: tuple[int, ...] = DEFAULT_BUDGETS
+    seed: int = 0
+    replicates: int = DEFAULT_REPLICATES
+    top_k: int = 5
+    redundancy: int = 2
+    tau: float = 0.05
+    kappa: float = 0.05
+    filter_threshold: float = 0.5
+    dense: str = "auto"
+    agent: str = "reader"
+    agent_options: dict = field(default_factory=dict)
+    executor: str = "ray"
+    actors: int = 0  # 0: one per free CPU (or per GPU with gpus_per_actor > 0)
+    gpus_per_actor: float = 0.0
+
+    def __post_init__(self) -> None:
+        w = "eval config"
+        for name in ("conversations", "methods", "utility", "budgets"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        check(isinstance(self.locomo, str) and bool(self.locomo), w, f"locomo={self.locomo!r}; a LoCoMo json path")
+        check(all(isinstance(b, int) and b >= 1 for b in self.budgets) and bool(self.budgets), w,
+              f"budgets={self.budgets!r}; positive integers")
+        object.__setattr__(self, "methods", expand_methods(self.methods, self.budgets))
+        check(bool(self.methods), w, "methods is empty")
+        check(bool(self.utility) and set(self.utility) <= set(UTILITY_MODES), w,
+              f"utility={self.utility!r}; allowed a non-empty subset of {UTILITY_MODES}")
+        check(len(set(self.utility)) == len(self.utility), w, f"utility={self.utility!r} repeats a mode")
+        check(isinstance(self.seed, int), w, f"seed={self.seed!r}; must be an integer")
+        check(isinstance(self.replicates, int) and self.replicates >= 1, w, f"replicates={self.replicates!r}; >= 1")
+        check(self.dense in ("auto", "on", "off"), w, f"dense={self.dense!r}; allowed 'auto', 'on', 'off'")
+        check(self.agent in AGENTS, w, f"agent={self.agent!r}; allowed {AGENTS}")
+        check(isinstance(self.agent_options, dict), w, "agent_options must be a mapping")
+        check(self.executor in ("ray", "local"), w, f"executor={self.executor!r}; allowed 'ray', 'local'")
+        check(isinstance(self.actors, int) and self.actors >= 0, w, f"actors={self.actors!r}; must be >= 0")
+        _ = (self.build_config, self.method_config)  # validate both now, not on a worker later
+
+    @property
+    def build_config(self) -> BuildConfig:
+        return BuildConfig(top_k=self.top_k, redundancy=self.redundancy, max_cases=self.max_cases, seed=self.seed)
+
+    @property
+    def method_config(self) -> MethodConfig:
+        return MethodConfig(tau=self.tau, kappa=self.kappa, filter_threshold=self.filter_threshold)
+
+    @property
+    def agent_spec(self) -> AgentSpec:
+        return AgentSpec(self.agent, dict(self.agent_options))
+
+
+class BenchWorker:
+    """Builds its agent once and its retrieval index lazily; builds cases of conversations and runs methods on cases."""
+
+    def __init__(self, config: EvalConfig):
+        self.config = config
+        self.agent = build_agent(config.agent_spec)
+        self._data = None
+        self._index = None
+
+    def fingerprint(self) -> str:
+        return self.agent.fingerprint()
+
+    def _load(self):
+        if self._data is None:
+            from pipeline.bench.index import PoolIndex
+            from pipeline.io.locomo import load_locomo
+
+            pools, queries = load_locomo(self.config.locomo, conversations=list(self.config.conversations) or None,
+                                         seed=self.config.seed)
+            self._data = (pools, queries)
+            self._index = PoolIndex(pools, self.config.top_k, self.config.dense)
+        return self._data, self._index
+
+    def retrieval_mode(self) -> str:
+        if self._index is not None:
+            return self._index.mode
+        from pipeline.retrieval import MiniLMEncoder
+
+        dense = self.config.dense == "on" or (self.config.dense == "auto" and MiniLMEncoder.available())
+        return "bm25+minilm" if dense else "bm25"
+
+    def build(self, conversation: str) -> tuple[str, BuildResult, float]:
+        (pools, queries), index = self._load()
+        t = time.perf_counter()
+        res = build_pool(self.agent, index, pools[conversation], queries, self.config.build_config)
+        return conversation, res, time.perf_counter() - t
+
+    def run(self, cases: list[BenchCase]) -> list[tuple[BenchCase, list]]:
+        c = self.config
+        return [(bc, run_case(bc, self.agent, c.methods, c.utility, c.method_config)) for bc in cases]
+
+    def close(self) -> None:
+        self.agent.close()
+
+
+@dataclass
+class EvalResult:
+    config: EvalConfig
+    cases: list[BenchCase]
+    outcomes: list[tuple[BenchCase, list]]
+    counts: dict[str, MechanismCount]
+    queries: dict[str, int]  # eligible, clean
+    agent_fingerprint: str
+    retrieval: str
+    timings: dict[str, float]
+
+
+class _LocalPool:
+    """One BenchWorker in this process, with torch and the BLAS/OpenMP pools held to `threads` threads (None: left as
+    they are, for LLM agents whose inference wants every core).
+
+    Why: on the 2-vCPU machines this was measured on, MiniLM with 2 torch threads was no faster than with 1, and its
+    OpenMP workers spin between calls, slowing the Python work in between (BM25, checks, sklearn) more than twofold:
+    building conv-30 took 36 s with the default pools and 15.5 s with one thread. The limits are undone on close.
+    """
+
+    def __init__(self, config: EvalConfig, threads: int | None = 1):
+        self._limits = self._torch_threads = None
+        if threads is not None:
+            try:  # threadpoolctl comes with scikit-learn (the `eval` extra)
+                from threadpoolctl import threadpool_limits
+
+                self._limits = threadpool_limits(threads)
+            except ImportError:
+                pass
+            try:
+                import torch
+
+                self._torch_threads = torch.get_num_threads()
+                torch.set_num_threads(threads)
+            except ImportError:
+                pass
+        self.worker = BenchWorker(config)
+        self.n = 1
+
+    def map(self, method: str, args: list):
+        for a in args:
+            yield getattr(self.worker, method)(a)
+
+    def call(self, method: str):
+        return getattr(self.worker, method)()
+
+    def close(self) -> None:
+        self.worker.close()
+        if self._limits is not None:
+            self._limits.restore_original_limits()
+        if self._torch_threads is not None:
+            import torch
+
+            torch.set_num_threads(self._torch_threads)
+
+
+class _RayPool:
+    """Ray actors running BenchWorker; `map` yields results as they finish, keeping each actor busy."""
+
+    def __init__(self, config: EvalConfig):
+        import ray
+
+        self.ray = ray
+        n = config.actors
+        if n == 0:
+            res = ray.available_resources()
+            key, per = ("GPU", config.gpus_per_actor) if config.gpus_per_actor > 0 else ("CPU", 1.0)
+            n = int(res.get(key, 0) // per)
+            if n == 0:
+                raise ConfigError(f"ray executor: no free {key} for an actor needing {per}")
+        remote = ray.remote(num_cpus=1, num_gpus=config.gpus_per_actor)(BenchWorker)
+        self.actors = [remote.remote(config) for _ in range(n)]
+        self.n = n
+
+    def map(self, method: str, args: list):
+        todo = list(enumerate(args))[::-1]
+        running = {}
+        for actor in self.actors:
+            if todo:
+                i, a = todo.pop()
+                running[getattr(actor, method).remote(a)] = actor
+        while running:
+            [ref], _ = self.ray.wait(list(running), num_returns=1)
+            actor = running.pop(ref)
+            if todo:
+                i, a = todo.pop()
+                running[getattr(actor, method).remote(a)] = actor
+            yield self.ray.get(ref)
+
+    def call(self, method: str):
+        values = self.ray.get([getattr(a, method).remote() for a in self.actors])
+        if len(set(values)) != 1:
+            raise ConfigError(f"ray executor: actors disagree on {method}: {sorted(set(values))}")
+        return values[0]
+
+    def close(self) -> None:
+        try:
+            self.ray.get([a.close.remote() for a in self.actors], timeout=120)
+        finally:
+            for a in self.actors:
+                self.ray.kill(a)
+
+
+def run_benchmark(config: EvalConfig, conversations: list[str], progress: bool = True) -> EvalResult:
+    """Build the cases of `conversations` and run every method on them (no output written here)."""
+    from tqdm.auto import tqdm
+
+    t0 = time.perf_counter()
+    timings: dict[str, float] = {}
+    started = False
+    if config.executor == "ray":
+        from pipeline.ray_exec import init_ray
+
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        started = init_ray()
+        pool = _RayPool(config)
+    else:
+        pool = _LocalPool(config, threads=1 if config.agent == "reader" else None)  # LLMs keep their threads
+    try:
+        fp = pool.call("fingerprint")
+        timings["startup_s"] = time.perf_counter() - t0
+
+        t = time.perf_counter()
+        built: dict[str, BuildResult] = {}
+        bar = tqdm(total=len(conversations), desc="building cases", unit="conv", disable=not progress)
+        for conv, res, _secs in pool.map("build", conversations):
+            built[conv] = res
+            bar.set_postfix(cases=sum(len(r.cases) for r in built.values()))
+            bar.update(1)
+        bar.close()
+        cases = cap_cases([c for conv in conversations for c in built[conv].cases], config.max_cases)
+        timings["build_s"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        chunks = [cases[i : i + CHUNK] for i in range(0, len(cases), CHUNK)]
+        outcomes: list[tuple[BenchCase, list]] = []
+        bar = tqdm(total=len(cases), desc="running methods", unit="case", disable=not progress)
+        for part in pool.map("run", chunks):
+            outcomes += part
+            bar.update(len(part))
+        bar.close()
+        timings["methods_s"] = time.perf_counter() - t
+        retrieval = pool.call("retrieval_mode")
+    finally:
+        pool.close()
+        if started:
+            import ray
+
+            ray.shutdown()
+    counts = {m: MechanismCount() for m in MECHANISMS}
+    for r in built.values():
+        for m, c in r.counts.items():
+            for f in ("tried", "verified", "candidates", "not_retrieved", "check_failed"):
+                setattr(counts[m], f, getattr(counts[m], f) + getattr(c, f))
+    order = {c.case_id: i for i, c in enumerate(cases)}
+    outcomes.sort(key=lambda o: order[o[0].case_id])
+    queries = {"eligible": sum(r.eligible for r in built.values()), "clean": sum(r.clean for r in built.values())}
+    timings["benchmark_s"] = time.perf_counter() - t0
+    return EvalResult(config, cases, outcomes, counts, queries, fp, retrieval, timings)
+
+
+def run_id(config: EvalConfig, source_sha256: str, agent_fp: str) -> str:
+    return fingerprint({"config": asdict(config), "source": source_sha256, "agent": agent_fp})
+
+
+def evaluate(config: EvalConfig, out: str | Path, progress: bool = True) -> dict:
+    """Validate inputs, run the benchmark, write cases.parquet, summary.json, summary.md and figure.png to `out`.
+
+    Nothing is written until the inputs have been read and checked; every file is written atomically.
+    Returns the summary (as written to summary.json).
+    """
+    from pipeline.audit import sha256_file
+    from pipeline.bench import report
+    from pipeline.io.locomo import load_locomo
+
+    t0 = time.perf_counter()
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out}: exists and is not a folder")
+    source_sha = sha256_file(config.locomo) if Path(config.locomo).is_file() else ""
+    pools, _ = load_locomo(config.locomo, conversations=list(config.conversations) or None)  # raises InputError
+    conversations = list(pools)
+    result = run_benchmark(config, conversations, progress)
+    rid = run_id(config, source_sha, result.agent_fingerprint)
+    t = time.perf_counter()
+    rows = report.case_rows(result, rid)
+    summary = report.summarize(result, rows, rid, source_sha)
+    result.timings["report_s"] = time.perf_counter() - t
+    result.timings["total_s"] = time.perf_counter() - t0
+    summary["timings"] = dict(result.timings)
+    report.write_outputs(out, rows, summary)
+    if sha256_file(config.locomo) != source_sha:  # the benchmark must never touch its source
+        raise RuntimeError(f"{config.locomo} changed during the run")
+    return summary
