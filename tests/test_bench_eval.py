@@ -25,7 +25,7 @@ from pipeline.io.locomo import load_locomo
 from pipeline.io.records import Memory, Pool
 from pipeline.retrieval import Retriever
 
-LOCOMO = Path("/work/shared/data/locomo/locomo10.json")
+from data_paths import LOCOMO
 needs_locomo = pytest.mark.skipif(not LOCOMO.is_file(), reason=f"{LOCOMO} not available")
 METHODS = ("meclear_l4", "meclear_l8", "meclear_l16", "meclear_exact", "loo", "loo_threshold", "contextcite",
            "proxyspex", "filter")

@@ -14,7 +14,7 @@ from pipeline.errors import InputError
 from pipeline.io.loaders import load_pools, load_queries
 from pipeline.io.locomo import load_locomo
 
-LOCOMO = Path(__file__).resolve().parents[2] / "shared" / "data" / "locomo" / "locomo10.json"
+from data_paths import LOCOMO
 
 
 def write_jsonl(path: Path, rows: list) -> Path:
