@@ -45,6 +45,33 @@ def agent_runtime_env(environ: Mapping[str, str] | None = None) -> dict | None:
     return {"env_vars": env} if env else None
 
 
+def pool_size(agent: str, actors: int, cpus_per_actor: float, gpus_per_actor: float) -> int:
+    """How many agent actors to start. `actors=0` sizes the pool: one per free GPU (gpus_per_actor > 0), one LLM
+    engine on a CPU-only pool (it already uses every core; a second would only contend), one reader per free CPU."""
+    import ray
+
+    if actors:
+        return actors
+    res = ray.available_resources()
+    if gpus_per_actor > 0:
+        n = int(res.get("GPU", 0) // gpus_per_actor)
+        if n == 0:
+            raise ConfigError(f"ray executor: gpus_per_actor={gpus_per_actor} but the cluster has no free GPU")
+        return n
+    if agent != "reader":
+        return 1
+    return max(1, int(res.get("CPU", 1) // max(cpus_per_actor, 1e-9)))
+
+
+def actor_options(agent: str, cpus_per_actor: float, gpus_per_actor: float, max_inflight: int = 1) -> dict:
+    """`ray.remote` options of an actor that builds `agent`: resources, concurrency, forwarded engine variables."""
+    options: dict = {"num_cpus": cpus_per_actor, "num_gpus": gpus_per_actor,
+                     "max_concurrency": max_inflight if agent in CONCURRENT_AGENTS else 1}
+    if (runtime_env := agent_runtime_env()) is not None:
+        options["runtime_env"] = runtime_env
+    return options
+
+
 def init_ray(num_cpus: int | None = None, temp_dir: str | None = None) -> bool:
     """Start or join Ray. Returns True when this call started it (the caller then shuts it down)."""
     import ray
@@ -97,20 +124,8 @@ class RayExecutor:
         import ray
 
         self.ray = ray
-        if actors == 0:
-            res = ray.available_resources()
-            if gpus_per_actor > 0:
-                actors = int(res.get("GPU", 0) // gpus_per_actor)
-                if actors == 0:
-                    raise ConfigError(f"ray executor: gpus_per_actor={gpus_per_actor} but the cluster has no free GPU")
-            elif spec.name != "reader":
-                actors = 1  # an LLM engine on CPU already uses every core; a second one would only contend
-            else:
-                actors = max(1, int(res.get("CPU", 1) // max(cpus_per_actor, 1e-9)))
-        options: dict = {"num_cpus": cpus_per_actor, "num_gpus": gpus_per_actor,
-                         "max_concurrency": max_inflight if spec.name in CONCURRENT_AGENTS else 1}
-        if (runtime_env := agent_runtime_env()) is not None:
-            options["runtime_env"] = runtime_env
+        actors = pool_size(spec.name, actors, cpus_per_actor, gpus_per_actor)
+        options = actor_options(spec.name, cpus_per_actor, gpus_per_actor, max_inflight)
         remote = ray.remote(**options)(AgentActor)
         self.actors = [remote.remote(spec, utility_mode) for _ in range(actors)]
         self.n_workers, self.max_inflight = len(self.actors), max_inflight

@@ -198,14 +198,10 @@ class _RayPool:
         import ray
 
         self.ray = ray
-        n = config.actors
-        if n == 0:
-            res = ray.available_resources()
-            key, per = ("GPU", config.gpus_per_actor) if config.gpus_per_actor > 0 else ("CPU", 1.0)
-            n = int(res.get(key, 0) // per)
-            if n == 0:
-                raise ConfigError(f"ray executor: no free {key} for an actor needing {per}")
-        remote = ray.remote(num_cpus=1, num_gpus=config.gpus_per_actor)(BenchWorker)
+        from pipeline.ray_exec import actor_options, pool_size
+
+        n = pool_size(config.agent, config.actors, 1.0, config.gpus_per_actor)
+        remote = ray.remote(**actor_options(config.agent, 1.0, config.gpus_per_actor))(BenchWorker)
         self.actors = [remote.remote(config) for _ in range(n)]
         self.n = n
 
