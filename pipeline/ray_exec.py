@@ -82,6 +82,8 @@ def init_ray(num_cpus: int | None = None, temp_dir: str | None = None) -> bool:
         ray.init(log_to_driver=True)
         log.info("joined Ray cluster at %s", os.environ["RAY_ADDRESS"])
     else:
+        # An embedded, single-user Ray needs no token auth (Ray 2.60 would otherwise write a token under $HOME).
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         # address="local": a plain ray.init() would join whatever cluster `ray start` last left on this machine
         kwargs = {"address": "local", "include_dashboard": False, "num_cpus": num_cpus, "log_to_driver": True}
         if temp_dir:

@@ -156,3 +156,20 @@ def test_eval_runs_with_the_vllm_agent(ray_session, engine_env, tiny_model, tmp_
     assert cases.height == summary["n_cases"] * len(methods) and set(cases["method"]) == methods
     assert cases["agent"].n_unique() == 1 and cases["agent"][0] == summary["agent"]
     assert (cases["evaluations"] >= 1).all()
+
+
+@pytest.mark.llm
+@pytest.mark.skipif(not LOCOMO.is_file(), reason=f"{LOCOMO} not available")
+def test_eval_runs_with_the_transformers_agent(tiny_model, tmp_path) -> None:  # noqa: F811
+    out = tmp_path / "eval-hf"
+    argv = ["eval", "--locomo", str(LOCOMO), "--conversations", "conv-26", "--max-cases", "1", "--methods",
+            "meclear_exact,loo,filter", "--utility", "correct", "--replicates", "50", "--dense", "off",
+            "--agent", "transformers", "--model", tiny_model, "--agent-option", "dtype=float32",
+            "--executor", "local", "--out", str(out), "--no-progress"]
+    assert main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    cases = pl.read_parquet(out / "cases.parquet")
+    assert summary["n_cases"] >= 1 and cases.height == summary["n_cases"] * 4
+    assert cases["agent"][0].startswith("transformers-") and cases["agent"][0] == summary["agent"]
+    exact = cases.filter(pl.col("method") == "meclear_exact")
+    assert (exact["evaluations"] <= 32).all()  # K=5, exact enumeration: every coalition once

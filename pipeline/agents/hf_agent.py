@@ -94,7 +94,9 @@ class TransformersAgent:
         log.info("transformers agent loaded %s on %s in %.1fs", config.model, config.device, time.perf_counter() - started)
 
     def fingerprint(self) -> str:
-        return fingerprint({"agent": self.name, "prompt_version": prompts.PROMPT_VERSION, **asdict(self.config)})
+        # name first, so utility rows say which backend answered
+        return f"{self.name}-" + fingerprint({"agent": self.name, "prompt_version": prompts.PROMPT_VERSION,
+                                              **asdict(self.config)})
 
     # -- batching -------------------------------------------------------------------------------------------------
 

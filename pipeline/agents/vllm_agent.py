@@ -174,7 +174,9 @@ class VLLMAgent:
         log.info("vllm agent started %s in %.1fs", config.model, self.start_s)
 
     def fingerprint(self) -> str:
-        return fingerprint({"agent": self.name, "prompt_version": prompts.PROMPT_VERSION, **asdict(self.config)})
+        # name first, so utility rows say which backend answered
+        return f"{self.name}-" + fingerprint({"agent": self.name, "prompt_version": prompts.PROMPT_VERSION,
+                                              **asdict(self.config)})
 
     def _engine(self) -> Any:
         if self._llm is None:
