@@ -72,6 +72,17 @@ def actor_options(agent: str, cpus_per_actor: float, gpus_per_actor: float, max_
     return options
 
 
+def close_actors(actors: list) -> None:
+    """Ask each actor to release its agent (engines shut down cleanly), then kill it whatever happened."""
+    import ray
+
+    try:
+        ray.get([a.close.remote() for a in actors], timeout=120)
+    finally:
+        for a in actors:
+            ray.kill(a)
+
+
 def init_ray(num_cpus: int | None = None, temp_dir: str | None = None) -> bool:
     """Start or join Ray. Returns True when this call started it (the caller then shuts it down)."""
     import ray
@@ -147,9 +158,5 @@ class RayExecutor:
         return worker, self.ray.get(ready[0])
 
     def close(self) -> None:
-        try:
-            self.ray.get([a.close.remote() for a in self.actors], timeout=120)
-        finally:
-            for a in self.actors:
-                self.ray.kill(a)
-            self.actors = []
+        close_actors(self.actors)
+        self.actors = []

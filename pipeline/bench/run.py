@@ -227,11 +227,9 @@ class _RayPool:
         return values[0]
 
     def close(self) -> None:
-        try:
-            self.ray.get([a.close.remote() for a in self.actors], timeout=120)
-        finally:
-            for a in self.actors:
-                self.ray.kill(a)
+        from pipeline.ray_exec import close_actors
+
+        close_actors(self.actors)
 
 
 def run_benchmark(config: EvalConfig, conversations: list[str], progress: bool = True) -> EvalResult:
