@@ -21,7 +21,9 @@ def from_mapping(cls: type[T], data: Mapping[str, Any] | None, where: str) -> T:
         raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(names)}")
     try:
         return cls(**data)
-    except TypeError as exc:  # wrong types surface from __post_init__ as ConfigError; this is the missing-key case
+    except ConfigError as exc:  # a bad value: say where the setting came from
+        raise ConfigError(f"{where}: {exc}") from None
+    except TypeError as exc:  # a required key is missing
         raise ConfigError(f"{where}: {exc}") from None
 
 
