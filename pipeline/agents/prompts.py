@@ -22,12 +22,15 @@ is always exactly one option letter.
 
 from __future__ import annotations
 
+import logging
 import math
 import string
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from pipeline.errors import AgentError
+
+log = logging.getLogger(__name__)
 
 LETTERS = string.ascii_uppercase
 PROMPT_VERSION = 1  # part of every LLM agent's fingerprint: bump when a layout or text below changes
@@ -69,10 +72,18 @@ def question_block(question: str, options: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+MEMORIES_HEADER = "Memories:"
+
+
+def memory_line(position: int, memory: str) -> str:
+    """One memory's line; `position` is its 1-based id within the coalition."""
+    return f"<memory id={position}>{escape_memory(memory)}</memory>"
+
+
 def memory_block(memories: Sequence[str]) -> str:
     """The memories in context order; ids are 1-based positions in this list (the filter prompt names them)."""
-    lines = ["Memories:"]
-    lines += [f"<memory id={i + 1}>{escape_memory(m)}</memory>" for i, m in enumerate(memories)]
+    lines = [MEMORIES_HEADER]
+    lines += [memory_line(i + 1, m) for i, m in enumerate(memories)]
     if not memories:
         lines.append("(none)")
     return "\n".join(lines)
