@@ -52,3 +52,14 @@ def test_nightly_job_runs_locally_in_process(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("out: x\naudit: {agent: gpt}\n")
     assert module.main(["--config", str(bad)]) == 2
+
+
+def test_runtime_env_and_cluster_definitions_parse():
+    import yaml
+
+    root = JOBS.parents[1]
+    env = yaml.safe_load((root / "env.yaml").read_text())
+    assert env["working_dir"] == "." and ".git" in env["excludes"]
+    for path in (root / "cluster").glob("*.yaml"):
+        spec = yaml.safe_load(path.read_text())
+        assert spec["cluster_name"].startswith("meclear") and "provider" in spec, path
