@@ -170,6 +170,34 @@ def letter_tokens(tokenizer: Any, n_letters: int, use_chat_template: bool | None
     )
 
 
+# Stands in for a coalition's memory lines when a case's prompt is rendered once and split into its fixed head and tail
+# (see PromptBuilder.answer_ids_batch). A question or option holding it simply takes the full path.
+_MEMORY_SLOT = "\x00meclear-memory-lines\x00"
+_CACHE_LIMIT = 8192  # cached frames / encoded pieces per builder; cleared when full (cases come in runs, so that is rare)
+
+# Splits a case's prompt into pieces: (head, tail, memory lines) -> [head, *pieces, tail], whose concatenation is
+# exactly the rendered prompt. Tokenizers differ in which side of a piece boundary a line break may sit on without
+# changing the ids, so both are tried on the first batch and the one that reproduces full tokenisation is kept.
+Split = Callable[[str, str, Sequence[str]], list[str]]
+
+
+def _newline_first(head: str, tail: str, lines: Sequence[str]) -> list[str]:
+    # "...Memories:" | "\n<memory id=1>...</memory>" | ... | "\n\nAnswer:" (GPT-2 style byte-level BPE splits here)
+    return [head, *("\n" + line for line in lines), tail]
+
+
+def _newline_last(head: str, tail: str, lines: Sequence[str]) -> list[str]:
+    # "...Memories:\n" | "<memory id=1>...</memory>\n" | ... | "...</memory>\n\n" | "Answer:". Llama 3 / Qwen style
+    # pre-tokenizers glue punctuation to the line breaks after it (">\n\n" is one pre-token), so the tail's leading
+    # whitespace must travel with the last line.
+    lead = len(tail) - len(tail.lstrip())
+    body = [line + "\n" for line in lines[:-1]] + [lines[-1] + tail[:lead]]
+    return [head + "\n", *body, tail[lead:]]
+
+
+_SPLITS: tuple[Split, ...] = (_newline_first, _newline_last)
+
+
 class PromptBuilder:
     """Turns agent requests into token ids for one tokenizer; both backends use it, so they score identical inputs.
 
@@ -181,6 +209,13 @@ class PromptBuilder:
         self.tokenizer = tokenizer
         self.max_options = max_options
         self.format, self._letter_ids = letter_tokens(tokenizer, max_options)
+        # Piece tokenisation state: _split is None until a batch has verified one (then it is used), and
+        # _pieces_ok turns False for good once piece ids ever differ from full tokenisation.
+        self._split: Split | None = None
+        self._pieces_ok = True
+        self._frames: dict[tuple[str, tuple[str, ...]], tuple[str, str] | None] = {}
+        self._head_ids: dict[str, list[int]] = {}
+        self._piece_ids: dict[str, list[int]] = {}
 
     def letter_ids(self, n_options: int) -> list[int]:
         if n_options > self.max_options:
@@ -195,16 +230,117 @@ class PromptBuilder:
         return self.encode(build_prompt(self.format, self.tokenizer, question, options, memories))
 
     def answer_ids_batch(self, requests: Sequence[Any]) -> list[list[int]]:
-        """`answer_ids` of many requests (AgentRequest-like) in one tokenizer call: a fast tokenizer encodes a list in
-        one pass (in parallel where allowed), ~1.5x faster than one call per prompt, with identical ids."""
+        """`answer_ids` of many requests (AgentRequest-like), identical ids, built from pieces tokenised once per case.
+
+        The coalitions of a case share everything but their memory lines, so tokenising every full prompt repeats the
+        same work 2^K times. Instead each case's prompt is split into head / one piece per (position, memory) / tail,
+        each distinct piece is encoded once and the ids are concatenated. Whether concatenation is exact depends on
+        the tokenizer, so the first batch is checked request by request against full tokenisation (the first exact
+        split is kept; if none is, this builder tokenises full prompts for good), and every later batch re-checks its
+        longest piece-built request. Ids must equal full tokenisation: vLLM and transformers are cross-checked on them.
+        """
         if not requests:
             return []
+        if not self._pieces_ok:
+            return self._full_ids(requests)
+        if self._split is None:
+            return self._verify_first_batch(requests)
+        rows = self._pieced_ids(requests, self._split)
+        built = [i for i, row in enumerate(rows) if row is not None]
+        if built:
+            longest = max(built, key=lambda i: len(rows[i] or ()))
+            if rows[longest] != self._full_ids([requests[longest]])[0]:
+                self._give_up(f"request {longest} of a batch of {len(requests)}")
+                return self._full_ids(requests)
+        return self._fill_full(requests, rows)
+
+    def filter_ids(self, question: str, options: Sequence[str], memories: Sequence[str]) -> list[int]:
+        return self.encode(build_filter_prompt(self.format, self.tokenizer, question, options, memories))
+
+    # -- piece tokenisation ---------------------------------------------------------------------------------------------
+
+    def _full_ids(self, requests: Sequence[Any]) -> list[list[int]]:
+        # One tokenizer call for the whole list: a fast tokenizer encodes it in one pass.
         texts = [build_prompt(self.format, self.tokenizer, r.question, r.options, r.memories) for r in requests]
         encoded = self.tokenizer(texts, add_special_tokens=self.format.add_special_tokens)["input_ids"]
         return [list(ids) for ids in encoded]
 
-    def filter_ids(self, question: str, options: Sequence[str], memories: Sequence[str]) -> list[int]:
-        return self.encode(build_filter_prompt(self.format, self.tokenizer, question, options, memories))
+    def _fill_full(self, requests: Sequence[Any], rows: list[list[int] | None]) -> list[list[int]]:
+        """Rows the pieces could not build (the empty coalition, a question holding the slot) take the full path."""
+        missing = [i for i, row in enumerate(rows) if row is None]
+        for i, ids in zip(missing, self._full_ids([requests[i] for i in missing]) if missing else []):
+            rows[i] = ids
+        return [row for row in rows if row is not None]
+
+    def _verify_first_batch(self, requests: Sequence[Any]) -> list[list[int]]:
+        full = self._full_ids(requests)
+        for split in _SPLITS:
+            rows = self._pieced_ids(requests, split)
+            if all(row is None for row in rows):
+                return full  # nothing here to verify on (only empty coalitions): decide on a later batch
+            if all(row is None or row == ids for row, ids in zip(rows, full)):
+                self._split = split
+                log.debug("piece tokenisation verified with %s on %d requests", split.__name__, len(requests))
+                return full
+        self._give_up(f"the first batch ({len(requests)} requests)")
+        return full
+
+    def _give_up(self, where: str) -> None:
+        self._pieces_ok = False
+        self._frames.clear()
+        self._head_ids.clear()
+        self._piece_ids.clear()
+        log.info("prompt pieces of %s do not concatenate to full tokenisation (%s); tokenising full prompts from now "
+                 "on", type(self.tokenizer).__name__, where)
+
+    def _frame(self, question: str, options: Sequence[str]) -> tuple[str, str] | None:
+        """The case's prompt rendered once around the slot, as (head ending in "Memories:", tail), or None."""
+        key = (question, tuple(options))
+        if key not in self._frames:
+            if len(self._frames) >= _CACHE_LIMIT:
+                self._frames.clear()
+            body = f"{question_block(question, options)}\n\n{MEMORIES_HEADER}{_MEMORY_SLOT}"
+            parts = self.format.render(self.tokenizer, _system(options), body, ANSWER_CUE).split(_MEMORY_SLOT)
+            self._frames[key] = (parts[0], parts[1]) if len(parts) == 2 else None
+        return self._frames[key]
+
+    def _pieced_ids(self, requests: Sequence[Any], split: Split) -> list[list[int] | None]:
+        lines: dict[tuple[int, str], str] = {}  # (position, memory) -> its line, within this batch
+        rows: list[list[str] | None] = []
+        for r in requests:
+            frame = self._frame(r.question, r.options) if r.memories else None
+            if frame is None:
+                rows.append(None)  # the empty coalition's "(none)" line: full path
+                continue
+            mine = []
+            for j, m in enumerate(r.memories, start=1):
+                if (j, m) not in lines:
+                    lines[(j, m)] = memory_line(j, m)
+                mine.append(lines[(j, m)])
+            rows.append(split(frame[0], frame[1], mine))
+        self._encode_new(self._head_ids, {row[0] for row in rows if row}, self.format.add_special_tokens)
+        self._encode_new(self._piece_ids, {p for row in rows if row for p in row[1:]}, False)
+        out: list[list[int] | None] = []
+        for row in rows:
+            if row is None:
+                out.append(None)
+                continue
+            ids = list(self._head_ids[row[0]])
+            for piece in row[1:]:
+                ids += self._piece_ids[piece]
+            out.append(ids)
+        return out
+
+    def _encode_new(self, cache: dict[str, list[int]], pieces: set[str], add_special_tokens: bool) -> None:
+        """Encode the pieces not yet cached, in one tokenizer call."""
+        new = sorted(p for p in pieces if p not in cache)
+        if not new:
+            return
+        if len(cache) + len(new) > _CACHE_LIMIT:
+            cache.clear()
+            new = sorted(pieces)
+        for piece, ids in zip(new, self.tokenizer(new, add_special_tokens=add_special_tokens)["input_ids"]):
+            cache[piece] = list(ids)
 
 
 def option_probs(letter_logprobs: Sequence[float]) -> tuple[float, ...]:
