@@ -20,7 +20,7 @@ from typing import Sequence
 import numpy as np
 
 from pipeline.errors import ConfigError, MissingDependencyError
-from pipeline.io.records import Pool, Query
+from pipeline.io.records import Memory, Pool, Query
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +154,30 @@ def _ranks(scores: np.ndarray) -> np.ndarray:
     return ranks
 
 
+def fuse_and_freeze(query: Query, memories: Sequence[Memory], bm25_scores: np.ndarray,
+                    dense_scores: np.ndarray | None, top_k: int) -> FrozenContext:
+    """Reciprocal-rank fusion of the BM25 (and dense) rankings of `memories`, frozen to the top K."""
+    bm = _ranks(bm25_scores)
+    fused = 1.0 / (RRF_K + bm)
+    dense_r = None
+    if dense_scores is not None:
+        dense_r = _ranks(dense_scores)
+        fused = fused + 1.0 / (RRF_K + dense_r)
+    top = np.lexsort((np.arange(fused.size), -fused))[:top_k]
+    ids = tuple(memories[i].memory_id for i in top)
+    texts = tuple(memories[i].text for i in top)
+    return FrozenContext(
+        pool_id=query.pool_id,
+        query_id=query.query_id,
+        memory_ids=ids,
+        texts=texts,
+        scores=tuple(float(fused[i]) for i in top),
+        bm25_ranks=tuple(int(bm[i]) for i in top),
+        dense_ranks=tuple(int(dense_r[i]) for i in top) if dense_r is not None else (None,) * len(top),
+        context_hash=context_hash(query, ids, texts),
+    )
+
+
 class Retriever:
     """Retrieves and freezes contexts for queries of the given pools."""
 
@@ -181,25 +205,7 @@ class Retriever:
         for qi, q in enumerate(queries):
             self._index(q.pool_id)
             pool = self.pools[q.pool_id]
-            bm = _ranks(self._bm25[q.pool_id].scores(q.question))
-            fused = 1.0 / (RRF_K + bm)
-            dense_r = None
-            if q_emb is not None:
-                dense_r = _ranks(self._emb[q.pool_id] @ q_emb[qi])
-                fused = fused + 1.0 / (RRF_K + dense_r)
-            top = np.lexsort((np.arange(fused.size), -fused))[: self.top_k]
-            ids = tuple(pool.memories[i].memory_id for i in top)
-            texts = tuple(pool.memories[i].text for i in top)
-            out.append(
-                FrozenContext(
-                    pool_id=q.pool_id,
-                    query_id=q.query_id,
-                    memory_ids=ids,
-                    texts=texts,
-                    scores=tuple(float(fused[i]) for i in top),
-                    bm25_ranks=tuple(int(bm[i]) for i in top),
-                    dense_ranks=tuple(int(dense_r[i]) for i in top) if dense_r is not None else (None,) * len(top),
-                    context_hash=context_hash(q, ids, texts),
-                )
-            )
+            bm25_scores = self._bm25[q.pool_id].scores(q.question)
+            dense_scores = self._emb[q.pool_id] @ q_emb[qi] if q_emb is not None else None
+            out.append(fuse_and_freeze(q, pool.memories, bm25_scores, dense_scores, self.top_k))
         return out

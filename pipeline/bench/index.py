@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from pipeline.io.records import Memory, Pool, Query
-from pipeline.retrieval import RRF_K, FrozenContext, MiniLMEncoder, _ranks, context_hash, tokens
+from pipeline.retrieval import FrozenContext, MiniLMEncoder, fuse_and_freeze, tokens
 from pipeline.errors import ConfigError
 
 K1, B = 1.5, 0.75  # pipeline.retrieval.BM25 defaults
@@ -114,28 +114,13 @@ class PoolIndex:
         """
         st = self.stats(query.pool_id)
         memories = self.pools[query.pool_id].memories
-        bm = _ranks(self._bm25(st, [Counter(tokens(m.text)) for m in extra], query.question))
-        fused = 1.0 / (RRF_K + bm)
-        dense_r = None
+        bm25_scores = self._bm25(st, [Counter(tokens(m.text)) for m in extra], query.question)
+        dense_scores = None
         if self.encoder is not None:
             if q_emb is None:
                 q_emb = self.encoder.encode([query.question])[0]
             if extra and extra_emb is None:
                 extra_emb = self.embed([m.text for m in extra])
             emb = st.emb if not extra else np.concatenate([st.emb, extra_emb])
-            dense_r = _ranks(emb @ q_emb)
-            fused = fused + 1.0 / (RRF_K + dense_r)
-        top = np.lexsort((np.arange(fused.size), -fused))[: self.top_k]
-        everything = (*memories, *extra)
-        ids = tuple(everything[i].memory_id for i in top)
-        texts = tuple(everything[i].text for i in top)
-        return FrozenContext(
-            pool_id=query.pool_id,
-            query_id=query.query_id,
-            memory_ids=ids,
-            texts=texts,
-            scores=tuple(float(fused[i]) for i in top),
-            bm25_ranks=tuple(int(bm[i]) for i in top),
-            dense_ranks=tuple(int(dense_r[i]) for i in top) if dense_r is not None else (None,) * len(top),
-            context_hash=context_hash(query, ids, texts),
-        )
+            dense_scores = emb @ q_emb
+        return fuse_and_freeze(query, (*memories, *extra), bm25_scores, dense_scores, self.top_k)
