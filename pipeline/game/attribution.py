@@ -6,11 +6,12 @@ Sign convention: effects are contributions, so negative means harmful.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from math import factorial
 
 import numpy as np
 
-from pipeline.game.plan import full_mask, popcount, prefix_masks
+from pipeline.game.plan import MAX_PLAYERS, full_mask, popcount, prefix_masks
 
 
 def _need(values: np.ndarray, masks: np.ndarray, what: str) -> np.ndarray:
@@ -41,18 +42,22 @@ def _shapley_weights(k: int) -> np.ndarray:
     return np.array([factorial(s) * factorial(k - s - 1) / factorial(k) for s in range(k)])
 
 
-def shapley_exact(values: np.ndarray) -> np.ndarray:
-    """Exact Shapley values by enumeration of all 2^K coalitions."""
-    k = n_players(values)
+@lru_cache(maxsize=MAX_PLAYERS + 1)
+def _shapley_index(k: int) -> tuple[np.ndarray, np.ndarray]:
+    """For every player i (row): the 2^(K-1) coalitions without i, and their Shapley weights. Cached per K."""
     masks = np.arange(1 << k, dtype=np.int64)
-    _need(values, masks, "exact Shapley")
-    sizes = popcount(masks)
     w = _shapley_weights(k)
-    phi = np.empty(k)
-    for i in range(k):
-        s = masks[(masks >> i & 1) == 0]
-        phi[i] = np.sum(w[sizes[s]] * (values[s | (1 << i)] - values[s]))
-    return phi
+    s = np.stack([masks[(masks >> i & 1) == 0] for i in range(k)])
+    return s, w[popcount(s)]
+
+
+def shapley_exact(values: np.ndarray) -> np.ndarray:
+    """Exact Shapley values by enumeration of all 2^K coalitions (all players in one vectorised pass)."""
+    k = n_players(values)
+    _need(values, np.arange(1 << k, dtype=np.int64), "exact Shapley")
+    s, w = _shapley_index(k)
+    bits = np.left_shift(np.int64(1), np.arange(k, dtype=np.int64))[:, None]
+    return np.sum(w * (values[s | bits] - values[s]), axis=1)
 
 
 def permutation_contributions(values: np.ndarray, permutations: np.ndarray) -> np.ndarray:
@@ -88,13 +93,26 @@ def _interaction_weights(k: int) -> np.ndarray:
     return np.array([factorial(s) * factorial(k - s - 2) / factorial(k - 1) for s in range(k - 1)])
 
 
-def _pair_terms(values: np.ndarray, i: int, j: int) -> tuple[np.ndarray, np.ndarray]:
-    k = n_players(values)
+@lru_cache(maxsize=MAX_PLAYERS + 1)
+def _pair_index(k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """For the P = K(K-1)/2 pairs i < j (row-major): i, j, the (P, 2^(K-2)) sets S outside the pair, their sizes'
+    interaction weights, and the bits of i and j as (P, 1) columns. Cached per K, so a case's reduction is a handful
+    of array operations instead of a Python loop over pairs (interactions_exact took 3.7 s of a 20 s K=5 phase)."""
     masks = np.arange(1 << k, dtype=np.int64)
-    s = masks[((masks >> i & 1) == 0) & ((masks >> j & 1) == 0)]
-    bi, bj = 1 << i, 1 << j
+    ii, jj = np.triu_indices(k, 1)
+    s = np.stack([masks[((masks >> i & 1) == 0) & ((masks >> j & 1) == 0)] for i, j in zip(ii, jj)]).reshape(
+        len(ii), max(1 << max(k - 2, 0), 1) if len(ii) else 0
+    )
+    w = _interaction_weights(k)[popcount(s)] if len(ii) else np.zeros_like(s, dtype=float)
+    bi = np.left_shift(np.int64(1), ii.astype(np.int64))[:, None]
+    bj = np.left_shift(np.int64(1), jj.astype(np.int64))[:, None]
+    return ii, jj, s, w, (bi, bj)
+
+
+def _pair_deltas(values: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    ii, jj, s, w, (bi, bj) = _pair_index(k)
     delta = values[s | bi | bj] - values[s | bi] - values[s | bj] + values[s]
-    return s, delta
+    return ii, jj, w, delta
 
 
 def interactions_exact(values: np.ndarray) -> np.ndarray:
@@ -104,11 +122,8 @@ def interactions_exact(values: np.ndarray) -> np.ndarray:
     out = np.zeros((k, k))
     if k < 2:
         return out
-    w = _interaction_weights(k)
-    for i in range(k):
-        for j in range(i + 1, k):
-            s, delta = _pair_terms(values, i, j)
-            out[i, j] = out[j, i] = np.sum(w[popcount(s)] * delta)
+    ii, jj, w, delta = _pair_deltas(values, k)
+    out[ii, jj] = out[jj, ii] = np.sum(w * delta, axis=1)
     return out
 
 
@@ -124,16 +139,16 @@ def interactions_from_evaluated(values: np.ndarray) -> tuple[np.ndarray, np.ndar
     support = np.zeros((k, k), dtype=np.int64)
     if k < 2:
         return np.zeros((k, k)), support
-    w = _interaction_weights(k)
-    for i in range(k):
-        out[i, i] = 0.0
-        for j in range(i + 1, k):
-            s, delta = _pair_terms(values, i, j)
-            ok = ~np.isnan(delta)
-            support[i, j] = support[j, i] = int(ok.sum())
-            if ok.any():
-                ws = w[popcount(s[ok])]
-                out[i, j] = out[j, i] = float(np.sum(ws * delta[ok]) / ws.sum())
+    np.fill_diagonal(out, 0.0)
+    ii, jj, w, delta = _pair_deltas(values, k)
+    ok = ~np.isnan(delta)
+    ws = np.where(ok, w, 0.0)
+    n_ok = ok.sum(axis=1)
+    support[ii, jj] = support[jj, ii] = n_ok
+    with np.errstate(invalid="ignore", divide="ignore"):
+        est = np.sum(ws * np.where(ok, delta, 0.0), axis=1) / ws.sum(axis=1)
+    est = np.where(n_ok > 0, est, np.nan)
+    out[ii, jj] = out[jj, ii] = est
     return out, support
 
 

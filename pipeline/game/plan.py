@@ -28,11 +28,9 @@ def members(mask: int, k: int) -> list[int]:
 
 
 def popcount(masks: np.ndarray) -> np.ndarray:
-    masks = np.asarray(masks, dtype=np.int64)
-    out = np.zeros(masks.shape, dtype=np.int64)
-    for b in range(MAX_PLAYERS + 1):
-        out += (masks >> b) & 1
-    return out
+    """Number of set bits of each mask, as int64. One vectorised pass (numpy >= 2.0 `bitwise_count`); the former
+    21-pass shift-and-add loop cost 2.2 s of a 20 s K=5 LoCoMo evaluation phase in the driver."""
+    return np.bitwise_count(np.asarray(masks, dtype=np.int64)).astype(np.int64)
 
 
 def loo_coalitions(k: int) -> np.ndarray:
