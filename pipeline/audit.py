@@ -219,8 +219,9 @@ def run_audit(
     out.mkdir(parents=True, exist_ok=True)
 
     t = time.perf_counter()
-    retriever = Retriever(pools, config.top_k, config.dense)
+    retriever = Retriever(pools, config.top_k, config.dense, progress=progress)  # embeddings cached ($MECLEAR_CACHE)
     contexts = retriever.freeze_all(queries)
+    timings.update({f"retrieval_{k}": v for k, v in retriever.stats.items()})
     cases = make_cases(queries, contexts, config.seed)
     timings["retrieval_s"] = time.perf_counter() - t
 

@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from pipeline.io.records import Memory, Pool, Query
-from pipeline.retrieval import FrozenContext, MiniLMEncoder, fuse_and_freeze, tokens
+from pipeline.retrieval import BM25_DECIMALS, FrozenContext, MiniLMEncoder, fuse_and_freeze, tokens
 from pipeline.errors import ConfigError
 
 K1, B = 1.5, 0.75  # pipeline.retrieval.BM25 defaults
@@ -99,7 +99,7 @@ class PoolIndex:
                 if f:
                     s += idf[t] * f * (K1 + 1) / (f + norm[i])
             out[i] = s
-        return out
+        return np.round(out, BM25_DECIMALS)  # as pipeline.retrieval.BM25: equal scores tie whatever the sum order
 
     def freeze(
         self,

