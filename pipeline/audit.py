@@ -26,7 +26,8 @@ from pipeline.cases import Case, make_cases
 from pipeline.configs import check, fingerprint
 from pipeline.executors import Executor
 from pipeline.game import clearance_coalitions, make_plan
-from pipeline.game.plan import ESTIMATORS, MAX_PLAYERS, popcount
+from pipeline.game.adaptive import DEFAULT_Z
+from pipeline.game.plan import ADAPTIVE_ROUND, ESTIMATORS, MAX_PLAYERS, popcount
 from pipeline.io import writer
 from pipeline.io.records import Pool, Query
 from pipeline.reduce import CaseState, attribute, finalize
@@ -57,6 +58,8 @@ class AuditConfig:
     cpus_per_actor: float = 1.0
     gpus_per_actor: float = 0.0
     batch_size: int = 256  # coalitions per actor task (whole cases are never split across tasks)
+    adaptive_round: int = ADAPTIVE_ROUND  # estimator "adaptive": permutations per round; `permutations` is the cap
+    adaptive_z: float = DEFAULT_Z  # estimator "adaptive": stop when |phi + tau| > z * SE for every memory
 
     def __post_init__(self) -> None:
         w = "audit config"
@@ -74,6 +77,10 @@ class AuditConfig:
         check(self.executor in ("ray", "local"), w, f"executor={self.executor!r}; allowed 'ray', 'local'")
         check(isinstance(self.actors, int) and self.actors >= 0, w, f"actors={self.actors!r}; must be >= 0")
         check(self.batch_size >= 1, w, f"batch_size={self.batch_size!r}; must be >= 1")
+        check(isinstance(self.adaptive_round, int) and self.adaptive_round >= 2
+              and (not self.antithetic or self.adaptive_round % 2 == 0), w,
+              f"adaptive_round={self.adaptive_round!r}; must be an integer >= 2 (even with antithetic)")
+        check(isinstance(self.adaptive_z, (int, float)) and self.adaptive_z > 0, w, f"adaptive_z={self.adaptive_z!r}; must be > 0")
 
     @property
     def agent_spec(self) -> AgentSpec:
@@ -237,8 +244,16 @@ def run_audit(
         """Move case ci forward after new values arrived: attribute, then clear or finalize."""
         st = states[ci]
         if st.phi is None:
-            if len(need := st.missing(st.plan.coalitions)):
+            if len(need := st.missing(st.plan_coalitions())):
                 sched.shared.append(WorkItem(ci, st.case, need, "plan"))
+                return
+            # Adaptive estimator: rounds of permutations. The smallest driver change is the one the clearance's second
+            # pass already uses: when a round is in, the case either stops (next_round returns nothing) or asks for the
+            # next round's missing prefixes, queued to the worker that holds its earlier rounds (prefix-cache reuse);
+            # the case stays "in flight" until it stops, and everything after (attribute, clearance) is unchanged.
+            if len(need := st.next_round(config.tau, config.adaptive_z)):
+                w = sched.worker_of.get(ci)
+                (sched.pinned[w] if w is not None else sched.shared).append(WorkItem(ci, st.case, need, "plan"))
                 return
             need = attribute(st, config.tau)
             if len(need):
@@ -252,7 +267,8 @@ def run_audit(
 
     t = time.perf_counter()
     for ci, case in enumerate(cases):
-        plan = make_plan(case.k, config.permutations, config.estimator, config.antithetic, case.seed)
+        plan = make_plan(case.k, config.permutations, config.estimator, config.antithetic, case.seed,
+                         config.adaptive_round)
         st = CaseState(case, plan)
         prev = previous.get((case.query.pool_id, case.query.query_id, case.context.context_hash))
         if prev is not None:

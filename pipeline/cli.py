@@ -56,7 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--out", default="meclear-out/audit", help="run folder (default: meclear-out/audit)")
     a.add_argument("--top-k", type=int, default=5, help="retrieval budget K (players per case)")
     a.add_argument("--permutations", type=int, default=16, help="permutation budget L")
-    a.add_argument("--estimator", choices=("auto", "exact", "permutation"), default="auto")
+    a.add_argument("--estimator", choices=("auto", "exact", "permutation", "adaptive"), default="auto",
+                   help="adaptive: permutations in rounds until every Shapley value is separated from -tau "
+                        "(|phi+tau| > z*SE), at most --permutations")
+    a.add_argument("--adaptive-round", type=int, default=8, help="adaptive: permutations per round (default 8)")
+    a.add_argument("--adaptive-z", type=float, default=1.96, help="adaptive: z of the confidence bound (default 1.96)")
     a.add_argument("--antithetic", action="store_true", help="antithetic permutation pairs")
     a.add_argument("--tau", type=float, default=0.05, help="harm tolerance: harmful when shapley < -tau")
     a.add_argument("--kappa", type=float, default=0.05, help="LOO screen: |loo| <= kappa is inconclusive")
@@ -86,6 +90,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
         tau=args.tau, kappa=args.kappa, seed=args.seed, utility=args.utility, dense=args.dense, agent=args.agent,
         agent_options=_agent_options(args), executor=args.executor, actors=args.actors,
         gpus_per_actor=args.gpus_per_actor, batch_size=args.batch_size,
+        adaptive_round=args.adaptive_round, adaptive_z=args.adaptive_z,
     )
     what = "the bundled sample pool" if inputs.is_sample else (args.locomo or ", ".join(args.memories))
     print(f"meclear audit: {what}; agent={args.agent}, K={args.top_k}, L={args.permutations}, utility={args.utility}")

@@ -19,6 +19,7 @@ from pipeline.game import (
     shapley_exact,
     shapley_permutation,
 )
+from pipeline.game.adaptive import DEFAULT_Z, estimate, stop_reason
 from pipeline.game.clearance import Clearance
 
 
@@ -34,10 +35,36 @@ class CaseState:
     phi: np.ndarray | None = None
     se: np.ndarray | None = None
     ranking: np.ndarray | None = None
+    used: int = 0  # adaptive: permutations in play so far (rounds planned); otherwise the plan's L
+    stop: str | None = None  # adaptive: "separation" or "cap" once it stopped
 
     def __post_init__(self) -> None:
         self.values = np.full(1 << self.case.k, np.nan)
         self.correct = np.zeros(1 << self.case.k, dtype=bool)
+        adaptive = self.plan.estimator == "adaptive"
+        self.used = min(self.plan.round_size, self.plan.budget) if adaptive else len(self.plan.permutations)
+
+    def plan_coalitions(self) -> np.ndarray:
+        """The first-pass coalitions planned so far (an adaptive case's grow round by round)."""
+        if self.plan.estimator == "adaptive":
+            return self.plan.round_coalitions(self.used)
+        return self.plan.coalitions
+
+    def next_round(self, tau: float, z: float = DEFAULT_Z) -> np.ndarray:
+        """Adaptive only, once the planned rounds are evaluated: stop (returns no coalitions; `stop` says why) or add
+        rounds of permutations until one needs coalitions not yet evaluated, and return those."""
+        plan = self.plan
+        empty = np.zeros(0, dtype=np.int64)
+        if plan.estimator != "adaptive":
+            return empty
+        while self.stop is None:
+            phi, se, _ = estimate(self.values, plan.permutations[: self.used], plan.antithetic)
+            self.stop = stop_reason(phi, se, tau, self.used, plan.budget, plan.round_size, z)
+            if self.stop is None:
+                self.used = min(self.used + plan.round_size, plan.budget)
+                if len(need := self.missing(plan.round_coalitions(self.used))):
+                    return need
+        return empty
 
     def record(self, masks: np.ndarray, utility: np.ndarray, correct: np.ndarray) -> None:
         self.values[masks] = utility
@@ -57,6 +84,8 @@ def attribute(state: CaseState, tau: float) -> np.ndarray:
     plan = state.plan
     if plan.estimator == "exact":
         state.phi, state.se = shapley_exact(state.values), np.zeros(plan.k)
+    elif plan.estimator == "adaptive":
+        state.phi, state.se, _ = estimate(state.values, plan.permutations[: state.used], plan.antithetic)
     else:
         state.phi, state.se = shapley_permutation(state.values, plan.permutations, plan.antithetic)
     state.ranking = harmful_ranking(state.phi, tau, loo_effects(state.values))
@@ -90,7 +119,8 @@ def finalize(state: CaseState, run_id: str, tau: float, kappa: float) -> CaseRow
             "harmful": i in rank_of,
             "rank": rank_of.get(i),
             "estimator": plan.estimator,
-            "permutations": 0 if plan.estimator == "exact" else plan.budget,
+            "permutations": 0 if plan.estimator == "exact" else state.used,
+            "stop_reason": state.stop,
         }
         for i in range(plan.k)
     ]

@@ -57,7 +57,8 @@ ATTRIBUTIONS = pa.schema(
         ("harmful", pa.bool_()),  # shapley < -tau
         ("rank", pa.int32()),  # 1 = most harmful; null when not harmful
         ("estimator", pa.string()),  # "exact" or "permutation"
-        ("permutations", pa.int32()),  # L used (0 when exact)
+        ("permutations", pa.int32()),  # L used (0 when exact; adaptive: the permutations it stopped at)
+        ("stop_reason", pa.string()),  # adaptive: "separation" or "cap"; null for the other estimators
     ]
 )
 

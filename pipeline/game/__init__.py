@@ -9,6 +9,7 @@ from pipeline.game.attribution import (
     shapley_permutation,
 )
 from pipeline.game.clearance import Clearance, clearance_coalitions, harmful_ranking, select_clearance
+from pipeline.game.adaptive import stop_reason
 from pipeline.game.plan import GamePlan, make_plan
 
 __all__ = [
@@ -24,4 +25,5 @@ __all__ = [
     "select_clearance",
     "shapley_exact",
     "shapley_permutation",
+    "stop_reason",
 ]

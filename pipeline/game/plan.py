@@ -5,6 +5,10 @@ evaluate. `auto` enumerates when 2^K is no more than what the sampled plan may t
 L*(K-1)+2 distinct prefixes (the empty and the full coalition are shared by all). The bound, not the realised count,
 decides, so the choice does not depend on the seed. With K=5, L=16: 32 <= 66, so exact enumeration.
 The LOO coalitions (the full context and the full context minus each memory) are always in the plan.
+
+`adaptive` (the paper's Appendix B) draws the same L seeded permutations as `permutation` but plans only the first
+round of `round_size` of them; `pipeline.game.adaptive` decides after each round whether to stop (every Shapley value
+separated from the harm threshold) or to evaluate the next round's prefixes, up to all L.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ import numpy as np
 
 from pipeline.errors import ConfigError
 
-ESTIMATORS = ("auto", "exact", "permutation")
+ESTIMATORS = ("auto", "exact", "permutation", "adaptive")
+ADAPTIVE_ROUND = 8  # permutations per round of the adaptive estimator (and the fewest it ever stops at)
 MAX_PLAYERS = 20  # exact value tables are dense arrays of 2^K floats: 8 MiB at K=20
 
 
@@ -56,12 +61,17 @@ class GamePlan:
     """The coalitions one case needs in its first pass, and how its Shapley values will be estimated."""
 
     k: int
-    estimator: str  # "exact" or "permutation" (never "auto" once planned)
+    estimator: str  # "exact", "permutation" or "adaptive" (never "auto" once planned)
     budget: int  # L, the permutation budget asked for
     antithetic: bool
     seed: int
     permutations: np.ndarray  # (L, K) int64; empty (0, K) for exact enumeration
-    coalitions: np.ndarray  # sorted, unique int64 masks
+    coalitions: np.ndarray  # sorted, unique int64 masks (adaptive: the first round's only)
+    round_size: int = 0  # adaptive: permutations per round; 0 otherwise
+
+    def round_coalitions(self, used: int) -> np.ndarray:
+        """Coalitions of the first `used` permutations (and LOO): what an adaptive case needs after `used`."""
+        return np.union1d(prefix_masks(self.permutations[:used]).ravel(), loo_coalitions(self.k))
 
     @property
     def n_coalitions(self) -> int:
@@ -74,6 +84,7 @@ def make_plan(
     estimator: str = "auto",
     antithetic: bool = False,
     seed: int = 0,
+    round_size: int = ADAPTIVE_ROUND,
 ) -> GamePlan:
     """Plan a case with K players. Permutations come from a local generator seeded by `seed` (per case)."""
     if not 1 <= k <= MAX_PLAYERS:
@@ -86,6 +97,8 @@ def make_plan(
         raise ConfigError(f"game plan: estimator={estimator!r}; allowed {ESTIMATORS}")
     if estimator == "auto":
         estimator = "exact" if 2**k <= sampled_touch_bound(k, permutations) else "permutation"
+    if estimator == "adaptive" and (round_size < 2 or (antithetic and round_size % 2)):
+        raise ConfigError(f"game plan: adaptive round_size={round_size}; must be >= 2 (and even with antithetic)")
     if estimator == "exact":
         perms = np.zeros((0, k), dtype=np.int64)
         coalitions = np.arange(2**k, dtype=np.int64)
@@ -98,4 +111,8 @@ def make_plan(
         else:
             perms = rng.permuted(np.tile(np.arange(k), (permutations, 1)), axis=1).astype(np.int64)
         coalitions = np.union1d(prefix_masks(perms).ravel(), loo_coalitions(k))
+    if estimator == "adaptive":
+        first = min(round_size, permutations)
+        coalitions = np.union1d(prefix_masks(perms[:first]).ravel(), loo_coalitions(k))
+        return GamePlan(k, estimator, permutations, antithetic, seed, perms, coalitions, round_size)
     return GamePlan(k, estimator, permutations, antithetic, seed, perms, coalitions)

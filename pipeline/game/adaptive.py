@@ -1,0 +1,47 @@
+"""The adaptive permutation estimator's stopping rule (the paper's Appendix B, made operational).
+
+The harmful set is H = {i : phi_i < -tau}. A sampled H equals the exact one when every estimate is on the same side of
+-tau as the true value. After each round of permutations the rule checks, for every player i,
+
+    |phi_hat_i + tau| > z * SE_i,      SE_i = sd_i / sqrt(n)   (sd over the n permutation draws; pairs if antithetic)
+
+i.e. the threshold lies outside the normal confidence interval phi_hat_i +- z*SE_i (z = 1.96: two-sided 95% per
+player). It stops by "separation" when that holds for all players after at least `min_draws` permutations (one round:
+with fewer draws the sample SD is itself too noisy, and an all-equal sample gives SD 0), and by "cap" when all L
+permutations are used. A player whose every draw is the same value (a memory the agent ignores: SD 0, phi_hat 0) is
+separated as soon as the minimum is reached, which is what makes the rule cheap for the many memories that do nothing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pipeline.game.attribution import permutation_contributions
+
+DEFAULT_Z = 1.96
+
+
+def estimate(values: np.ndarray, permutations: np.ndarray, antithetic: bool) -> tuple[np.ndarray, np.ndarray, int]:
+    """(phi, SE, draws) from the given permutations; SE is 0 for a single draw (there is no spread to measure)."""
+    contrib = permutation_contributions(values, permutations)
+    if antithetic:
+        contrib = 0.5 * (contrib[0::2] + contrib[1::2])
+    n = contrib.shape[0]
+    phi = contrib.mean(axis=0)
+    se = contrib.std(axis=0, ddof=1) / np.sqrt(n) if n > 1 else np.zeros(phi.shape)
+    return phi, se, n
+
+
+def separated(phi: np.ndarray, se: np.ndarray, tau: float, z: float = DEFAULT_Z) -> np.ndarray:
+    """Per player: the harm threshold -tau lies outside phi +- z*SE."""
+    return np.abs(np.asarray(phi) + tau) > z * np.asarray(se)
+
+
+def stop_reason(phi: np.ndarray, se: np.ndarray, tau: float, used: int, cap: int, min_draws: int,
+                z: float = DEFAULT_Z) -> str | None:
+    """"separation", "cap", or None (run another round). `used`/`cap`/`min_draws` count permutations."""
+    if used >= min_draws and bool(separated(phi, se, tau, z).all()):
+        return "separation"
+    if used >= cap:
+        return "cap"
+    return None
