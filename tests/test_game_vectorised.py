@@ -99,3 +99,33 @@ def test_sampled_interactions_equal_loop(k):
     np.testing.assert_allclose(np.nan_to_num(got), np.nan_to_num(ref), rtol=0, atol=1e-12)
     if k >= 4:  # the NaN path (pairs with no complete square: "unknown") is exercised
         assert (sup == 0).any() and (sup > 0).any()
+
+
+def labels_loop(interactions, phi, tolerance):
+    k = interactions.shape[0]
+    labels = np.full((k, k), "independent", dtype=object)
+    for i in range(k):
+        for j in range(k):
+            x = interactions[i, j]
+            if np.isnan(x):
+                labels[i, j] = "unknown"
+            elif x > tolerance:
+                labels[i, j] = "substitution" if (phi[i] < 0 and phi[j] < 0) else "complementarity"
+            elif x < -tolerance:
+                labels[i, j] = "substitution" if (phi[i] > 0 and phi[j] > 0) else "joint_interference"
+    return labels
+
+
+def test_interaction_labels_equal_loop():
+    from pipeline.game import interaction_labels
+
+    rng = np.random.default_rng(7)
+    for _ in range(50):
+        k = int(rng.integers(2, 9))
+        inter = rng.normal(0, 0.2, (k, k))
+        inter[rng.random((k, k)) < 0.2] = np.nan
+        phi = rng.normal(0, 0.2, k)
+        phi[rng.random(k) < 0.2] = 0.0
+        got = interaction_labels(inter, phi, 0.05)
+        assert got.dtype == object
+        np.testing.assert_array_equal(got, labels_loop(inter, phi, 0.05))

@@ -164,15 +164,13 @@ def interaction_labels(interactions: np.ndarray, phi: np.ndarray, tolerance: flo
     - joint_interference: I < -tolerance otherwise (together they hurt more than the sum);
     - independent: |I| <= tolerance; unknown: the interaction could not be estimated.
     """
-    k = interactions.shape[0]
-    labels = np.full((k, k), "independent", dtype=object)
-    for i in range(k):
-        for j in range(k):
-            x = interactions[i, j]
-            if np.isnan(x):
-                labels[i, j] = "unknown"
-            elif x > tolerance:
-                labels[i, j] = "substitution" if (phi[i] < 0 and phi[j] < 0) else "complementarity"
-            elif x < -tolerance:
-                labels[i, j] = "substitution" if (phi[i] > 0 and phi[j] > 0) else "joint_interference"
+    x = np.asarray(interactions, dtype=float)
+    phi = np.asarray(phi, dtype=float)
+    both_harmful = (phi[:, None] < 0) & (phi[None, :] < 0)
+    both_helpful = (phi[:, None] > 0) & (phi[None, :] > 0)
+    with np.errstate(invalid="ignore"):  # NaN compares False, and is caught by the first condition
+        conditions = [np.isnan(x), (x > tolerance) & both_harmful, x > tolerance, (x < -tolerance) & both_helpful,
+                      x < -tolerance]
+    labels = np.select(conditions, ["unknown", "substitution", "complementarity", "substitution",
+                                    "joint_interference"], "independent").astype(object)
     return labels
