@@ -30,6 +30,7 @@ from pipeline.errors import MissingDependencyError
 log = logging.getLogger(__name__)
 
 DIM = 384  # all-MiniLM-L6-v2
+SHARD_TEXTS = 8192  # texts per cache shard (12 MiB of float32 vectors)
 MAX_LENGTH = 256  # tokens; longer texts are truncated (part of the model id, since it changes the vectors)
 
 
@@ -195,9 +196,14 @@ def embed_cached(encoder: MiniLMEncoder, texts: Sequence[str], cache: EmbeddingC
         todo.setdefault(keys[i], texts[i])
     if todo:
         log.info("embedding %d new texts (%d from the cache)", len(todo), int(found.sum()))
-        new = encoder.encode(list(todo.values()), progress=progress)
-        if cache is not None:
-            cache.add(list(todo), new)
+        keys_todo, texts_todo = list(todo), list(todo.values())
+        parts = []
+        for i in range(0, len(texts_todo), SHARD_TEXTS):  # a shard per chunk: an interrupted run keeps what it did
+            part = encoder.encode(texts_todo[i : i + SHARD_TEXTS], progress=progress)
+            if cache is not None:
+                cache.add(keys_todo[i : i + SHARD_TEXTS], part)
+            parts.append(part)
+        new = np.concatenate(parts)
         row = {k: r for r, k in enumerate(todo)}
         for i in np.flatnonzero(~found):
             out[i] = new[row[keys[i]]]
