@@ -31,6 +31,12 @@ class AgentError(MeClearError):
     """An agent could not be built or returned an unusable answer."""
 
 
+class AgentStartError(AgentError):
+    """An agent could not be built from its settings (bad option, missing model, engine refused the settings)."""
+
+    exit_code = 2
+
+
 class MissingDependencyError(MeClearError):
     """An optional dependency is not installed; the message carries the install hint."""
 

@@ -1,6 +1,7 @@
 """Glue shared by the CLI and the Ray jobs: what to read, then load -> start agents -> audit -> stop agents.
 
-Inputs are loaded and validated before the output folder is created, so bad input writes nothing.
+Inputs, settings and the output folder are all checked, and the folder locked, before any agent starts or anything is
+written, so a bad input writes nothing and a second run into a locked folder fails at once.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from pathlib import Path
 
 from pipeline.audit import AuditConfig, AuditResult, run_audit
 from pipeline.configs import check, from_mapping
-from pipeline.errors import ConfigError
+from pipeline.errors import AgentStartError, ConfigError, MeClearError, OutputError
+from pipeline.io.outdir import OutLock, check_out
 from pipeline.io.loaders import input_files, load_pools, load_queries
 from pipeline.io.locomo import load_locomo
 from pipeline.io.records import Pool, Query
@@ -67,36 +69,72 @@ class InputSpec:
         return pools, queries, files
 
 
+AGENT_CONFIGS = {"reader": ("pipeline.agents.reader", "ReaderConfig"),
+                 "vllm": ("pipeline.agents.vllm_agent", "VLLMConfig"),
+                 "transformers": ("pipeline.agents.hf_agent", "TransformersConfig")}
+
+
+def check_agent_settings(config: AuditConfig) -> None:
+    """Validate the agent's settings in the driver (one line, before Ray or an engine starts)."""
+    import importlib
+
+    module, name = AGENT_CONFIGS[config.agent]
+    cls = getattr(importlib.import_module(module), name)
+    agent_cfg = from_mapping(cls, config.agent_options, f"agent {config.agent!r} (--agent-option)")
+    model = getattr(agent_cfg, "model", None)
+    if isinstance(model, str) and model.startswith(("/", "./", "../", "~")) and not Path(model).expanduser().is_dir():
+        raise ConfigError(f"agent {config.agent!r}: model {model!r} is not a folder")
+
+
 def build_executor(config: AuditConfig):
     if config.executor == "local":
         from pipeline.executors import LocalExecutor
 
-        return LocalExecutor(config.agent_spec, config.utility)
+        try:
+            return LocalExecutor(config.agent_spec, config.utility)
+        except MeClearError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - an engine that cannot start: one line, not its traceback
+            raise AgentStartError(f"agent {config.agent!r} could not start: {type(exc).__name__}: "
+                             f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from None
     from pipeline.ray_exec import RayExecutor
 
     return RayExecutor(config.agent_spec, config.utility, config.actors, config.cpus_per_actor, config.gpus_per_actor)
 
 
-def audit(inputs: InputSpec, config: AuditConfig, out: str | Path, progress: bool = True) -> AuditResult:
-    """Load and validate inputs, start agents (Ray actors unless executor='local'), run the audit, stop agents."""
+def audit(inputs: InputSpec, config: AuditConfig, out: str | Path, progress: bool = True,
+          reuse: list[str] | tuple[str, ...] = ()) -> AuditResult:
+    """Load and validate inputs, check and lock `out`, start agents (Ray actors unless executor='local'), run the
+    audit, stop agents (also on Ctrl-C), release the lock."""
     pools, queries, files = inputs.load()
     log.info("loaded %d pools, %d queries", len(pools), len(queries))
+    check_agent_settings(config)
+    out = Path(out)
+    for r in reuse:
+        if not (Path(r) / "utilities").is_dir():
+            raise OutputError(f"--reuse {r}: has no utilities/ folder; give an earlier run's --out")
+    check_out(out, files)
+    reuse_dirs = [r for r in reuse if Path(r).resolve() != out.resolve()]
     started_ray = False
-    t = time.perf_counter()
-    if config.executor == "ray":
-        from pipeline.ray_exec import init_ray
+    with OutLock(out) as lock:
+        t = time.perf_counter()
+        executor = None
+        try:
+            if config.executor == "ray":
+                from pipeline.ray_exec import init_ray
 
-        started_ray = init_ray()
-    executor = build_executor(config)
-    startup = time.perf_counter() - t
-    try:
-        result = run_audit(pools, queries, config, out, executor, executor.fingerprint, files, progress)
-    finally:
-        executor.close()
-        if started_ray:
-            import ray
+                started_ray = init_ray()
+            executor = build_executor(config)
+            startup = time.perf_counter() - t
+            result = run_audit(pools, queries, config, out, executor, executor.fingerprint, files, progress,
+                               reuse_dirs, lock)
+        finally:
+            if executor is not None:
+                executor.close()
+            if started_ray:
+                import ray
 
-            ray.shutdown()
+                ray.shutdown()
     result.timings["agents_startup_s"] = startup
     return result
 

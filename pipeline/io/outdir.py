@@ -83,9 +83,12 @@ class OutLock:
     def __init__(self, out: Path):
         self.path = Path(out) / LOCK
         self.held = False
+        self._created: Path | None = None  # the topmost folder this lock created, removed again if left empty
 
     def acquire(self) -> None:
+        missing = [p for p in [self.path.parent, *self.path.parent.parents] if not p.exists()]
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._created = missing[-1] if missing else None
         info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         for _ in range(2):
             try:
@@ -123,6 +126,14 @@ class OutLock:
         if self.held:
             self.path.unlink(missing_ok=True)
             self.held = False
+            if self._created is not None:  # a run that wrote nothing leaves no folder behind
+                for p in [self.path.parent, *self.path.parent.parents]:
+                    try:
+                        p.rmdir()
+                    except OSError:
+                        break
+                    if p == self._created:
+                        break
 
     def __enter__(self) -> "OutLock":
         self.acquire()
