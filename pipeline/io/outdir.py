@@ -50,6 +50,8 @@ def check_out(out: Path, inputs: Iterable[str | Path]) -> None:
             raise OutputError(f"--out {out}: holds the input {p}; give a separate output folder")
     if out.is_dir():
         foreign = sorted(n for n in os.listdir(out) if not _is_own(n))
+        foreign += sorted(f"{d}/{n}" for d in DATASET_NAMES if (out / d).is_dir() for n in os.listdir(out / d)
+                          if not (n.endswith(".parquet") or (n.startswith(".") and n.endswith(".tmp"))))
         if foreign:
             more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
             raise OutputError(f"--out {out}: holds files meclear did not write ({foreign[0]!r}{more}); "
