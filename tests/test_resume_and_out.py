@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import polars as pl
@@ -47,7 +48,7 @@ run_audit(pools, queries, cfg, sys.argv[1], LocalExecutor(cfg.agent_spec, cfg.ut
 
 
 def _frame(out: Path, name: str) -> pl.DataFrame:
-    df = pl.read_parquet(out / name)
+    df = pl.read_parquet(out / name).drop("run_id")  # run_id keys the settings, which include the executor
     return df.sort(df.columns) if name != "utilities" else df.sort(KEY)
 
 
@@ -174,3 +175,34 @@ def test_non_finite_utilities_go_to_errors_and_the_run_finishes_non_zero(tmp_pat
     assert cl.height + errors["query_id"].n_unique() == 6
     assert pl.read_parquet(out / "utilities")["utility"].is_finite().all()
     assert json.loads((out / "manifest.json").read_text())["status"] == "complete_with_errors"
+
+
+SLOW_CLI = """
+import sys, time
+from pathlib import Path
+from pipeline.agents.reader import ReaderAgent
+from pipeline.cli import main
+
+answer = ReaderAgent.answer_batch
+ReaderAgent.answer_batch = lambda self, requests: (time.sleep(0.2), answer(self, requests))[1]
+ReaderAgent.close = lambda self: Path(sys.argv[2]).write_text("closed")
+sys.exit(main(["audit", "--out", sys.argv[1], "--executor", "local", "--dense", "off", "--batch-size", "32"]))
+"""
+
+
+def test_ctrl_c_closes_the_agent_releases_the_lock_and_exits_130(tmp_path):
+    out, marker = tmp_path / "o", tmp_path / "closed"
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_CLI, str(out), str(marker)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (out / "manifest.json").exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    time.sleep(1.0)  # mid-evaluation: the whole run takes 36 cases x 0.2 s at least
+    assert proc.poll() is None
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    assert err.strip().splitlines()[-1] == "meclear: interrupted; agents shut down"
+    assert marker.read_text() == "closed" and not (out / ".meclear.lock").exists()
+    assert json.loads((out / "manifest.json").read_text())["status"] == "running"
