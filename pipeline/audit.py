@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import platform
 import time
 from collections import deque
@@ -39,6 +40,10 @@ from pipeline.stage import ItemResult, WorkItem
 
 log = logging.getLogger(__name__)
 
+# Exact enumeration evaluates 2^K coalitions per query: 65,536 at K=16 (minutes per query for an LLM on a GPU). Beyond,
+# a typo would start an unbounded night; the permutation estimator covers large K.
+MAX_EXACT_K = 16
+
 
 @dataclass(frozen=True)
 class AuditConfig:
@@ -63,7 +68,16 @@ class AuditConfig:
 
     def __post_init__(self) -> None:
         w = "audit config"
+        for name in ("top_k", "permutations", "seed", "actors", "batch_size"):  # YAML `true` is no count
+            check(not isinstance(getattr(self, name), bool), w, f"{name}={getattr(self, name)!r}; must be an integer")
+        for name in ("tau", "kappa", "cpus_per_actor", "gpus_per_actor"):
+            v = getattr(self, name)
+            check(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v), w,
+                  f"{name}={v!r}; must be a finite number")
         check(isinstance(self.top_k, int) and 1 <= self.top_k <= MAX_PLAYERS, w, f"top_k={self.top_k!r}; allowed 1..{MAX_PLAYERS}")
+        check(self.estimator != "exact" or self.top_k <= MAX_EXACT_K, w,
+              f"estimator='exact' with top_k={self.top_k} needs 2^{self.top_k} = {1 << self.top_k:,} agent calls per query; "
+              f"exact is allowed up to top_k={MAX_EXACT_K}, use estimator 'auto' or 'permutation' above")
         check(isinstance(self.permutations, int) and self.permutations >= 1, w, f"permutations={self.permutations!r}; must be >= 1")
         check(self.estimator in ESTIMATORS, w, f"estimator={self.estimator!r}; allowed {ESTIMATORS}")
         check(not self.antithetic or self.permutations % 2 == 0, w, "antithetic sampling needs an even number of permutations")
@@ -76,7 +90,8 @@ class AuditConfig:
         check(isinstance(self.agent_options, dict), w, "agent_options must be a mapping")
         check(self.executor in ("ray", "local"), w, f"executor={self.executor!r}; allowed 'ray', 'local'")
         check(isinstance(self.actors, int) and self.actors >= 0, w, f"actors={self.actors!r}; must be >= 0")
-        check(self.batch_size >= 1, w, f"batch_size={self.batch_size!r}; must be >= 1")
+        check(self.cpus_per_actor > 0 and self.gpus_per_actor >= 0, w, "cpus_per_actor must be > 0, gpus_per_actor >= 0")
+        check(isinstance(self.batch_size, int) and self.batch_size >= 1, w, f"batch_size={self.batch_size!r}; must be >= 1")
 
     @property
     def agent_spec(self) -> AgentSpec:

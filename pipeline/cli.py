@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--conversations", default="", help="LoCoMo sample_ids to keep, comma separated")
     a.add_argument("--locomo-options", type=int, default=4, help="options per LoCoMo query (0: open answers)")
     a.add_argument("--max-queries", type=int, default=0, help="audit only the first N queries (0: all)")
+    a.add_argument("--max-memory-chars", type=int, default=100_000,
+                   help="longest memory text accepted; longer ones are input errors")
     a.add_argument("--out", default="meclear-out/audit",
                    help="run folder; a rerun into it resumes (locked while a run writes it)")
     a.add_argument("--reuse", action="append", default=[], metavar="PREVIOUS_OUT",
@@ -100,7 +102,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     inputs = InputSpec(
         memories=args.memories, queries=args.queries, locomo=args.locomo,
         conversations=[c for c in args.conversations.split(",") if c], locomo_options=args.locomo_options,
-        max_queries=args.max_queries,
+        max_queries=args.max_queries, max_memory_chars=args.max_memory_chars,
     )
     config = AuditConfig(
         top_k=args.top_k, permutations=args.permutations, estimator=args.estimator, antithetic=args.antithetic,
