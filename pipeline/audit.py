@@ -147,6 +147,15 @@ def _previous_utilities(folders: list[Path], agent_fp: str, mode: str) -> dict[t
     return found
 
 
+def _previous_run(out: Path) -> str | None:
+    import json
+
+    try:
+        return json.loads((out / "manifest.json").read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def _import_reused(folders: list[Path], out: Path, cases: list[Case], agent_fp: str, mode: str) -> int:
     """Copy into `out/utilities` the rows of earlier runs (`--reuse`) whose key this run needs and does not hold yet,
     so the new folder is complete on its own. Returns the number of rows copied."""
@@ -300,6 +309,10 @@ def run_audit(
     run_id = fingerprint({"config": asdict(config), "inputs": [i["sha256"] for i in inputs], "agent": agent_fingerprint})
     out.mkdir(parents=True, exist_ok=True)
     writer.recover_swaps(out, DATASET_NAMES)
+    previous_run = _previous_run(out)
+    if previous_run and previous_run != run_id:  # utilities are kept by key; the reductions are replaced
+        log.warning("%s: replacing the reductions of run %s (other settings or inputs) with run %s; its utilities "
+                    "stay and are reused where their key matches", out, previous_run, run_id)
     # Until this run finishes, the manifest says so: a reader never mistakes a crashed run's folder for a complete one.
     writer.write_json_atomic(out / "manifest.json", {"run_id": run_id, "status": "running", "datasets": sorted(DATASETS)})
 
@@ -407,6 +420,7 @@ def run_audit(
     manifest = _manifest(result, config, agent_fingerprint, retriever.mode, inputs)
     manifest["utilities"] = store | {"complete": True}
     manifest["reuse"] = [str(r) for r in (reuse or [])]
+    manifest["replaced_run"] = previous_run if previous_run != run_id else None
     writer.write_json_atomic(out / "manifest.json", manifest)
     return result
 
