@@ -139,12 +139,14 @@ def audit(inputs: InputSpec, config: AuditConfig, out: str | Path, progress: boo
             result = run_audit(pools, queries, config, out, executor, executor.fingerprint, files, progress,
                                reuse_dirs, lock)
         finally:
-            if executor is not None:
-                executor.close()
-            if started_ray:
-                import ray
+            try:
+                if executor is not None:
+                    executor.close()
+            finally:
+                if started_ray:
+                    import ray
 
-                ray.shutdown()
+                    ray.shutdown()
     result.timings["agents_startup_s"] = startup
     return result
 
