@@ -75,3 +75,9 @@ def test_progress_off_a_terminal_is_plain_periodic_lines():
     lines = stream.getvalue().splitlines()
     assert "\r" not in stream.getvalue() and len(lines) == 5
     assert lines[-1].startswith("cases: 4/4 cases (100%)")
+
+
+def test_verbose_is_accepted_before_and_after_the_subcommand():
+    parser = build_parser()
+    assert parser.parse_args(["audit", "-v"]).verbose and parser.parse_args(["-v", "audit"]).verbose
+    assert not parser.parse_args(["audit"]).verbose
