@@ -206,3 +206,27 @@ def test_ctrl_c_closes_the_agent_releases_the_lock_and_exits_130(tmp_path):
     assert err.strip().splitlines()[-1] == "meclear: interrupted; agents shut down"
     assert marker.read_text() == "closed" and not (out / ".meclear.lock").exists()
     assert json.loads((out / "manifest.json").read_text())["status"] == "running"
+
+
+def test_an_agent_error_on_one_query_goes_to_errors_and_the_rest_finish(tmp_path):
+    from pipeline.agents.reader import ReaderAgent
+    from pipeline.audit import AuditConfig, run_audit
+    from pipeline.executors import LocalExecutor
+    from pipeline.runner import InputSpec
+
+    class FailsOnOne(ReaderAgent):
+        def answer_batch(self, requests):
+            if any("allergic" in r.question for r in requests):
+                raise ValueError("cannot answer\nsecond line")
+            return super().answer_batch(requests)
+
+    pools, queries, files = InputSpec().load()
+    cfg = AuditConfig(executor="local", dense="off", utility="correct", batch_size=64)
+    agent = FailsOnOne()
+    result = run_audit(pools, queries, cfg, tmp_path / "o", LocalExecutor(cfg.agent_spec, cfg.utility, agent=agent),
+                       agent.fingerprint(), files, progress=False)
+    failing = {q.query_id for q in queries if "allergic" in q.question}
+    errors = pl.read_parquet(tmp_path / "o" / "errors")
+    assert result.failed == len(failing) >= 1 and set(errors["query_id"]) == failing
+    assert set(errors["kind"]) == {"agent_error"} and (errors["reason"] == "ValueError: cannot answer").all()
+    assert pl.read_parquet(tmp_path / "o" / "clearances").height == 36 - len(failing)
