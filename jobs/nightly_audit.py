@@ -13,26 +13,31 @@ import logging
 import sys
 import time
 
-from pipeline.cli import print_summary
-from pipeline.errors import MeClearError
+from pipeline.cli import print_summary, safe
+from pipeline.errors import EXIT_CASE_ERRORS, EXIT_INTERRUPTED, MeClearError
 from pipeline.runner import audit, load_job_config
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML with inputs, audit and out")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--reuse", action="append", default=[], metavar="PREVIOUS_OUT",
+                        help="earlier run folder whose unchanged utilities are reused (repeatable)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress output")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         job = load_job_config(args.config)
         t = time.perf_counter()
-        result = audit(job.inputs, job.audit, job.out, progress=not args.no_progress)
+        result = audit(job.inputs, job.audit, job.out, progress=not args.no_progress, reuse=args.reuse)
     except MeClearError as exc:
-        print(f"nightly_audit: error: {exc}", file=sys.stderr)
+        print(f"nightly_audit: error: {safe(exc)}", file=sys.stderr)
         return exc.exit_code
+    except KeyboardInterrupt:
+        print("nightly_audit: interrupted; agents shut down", file=sys.stderr)
+        return EXIT_INTERRUPTED
     print_summary(result, time.perf_counter() - t)
-    return 0
+    return EXIT_CASE_ERRORS if result.failed else 0
 
 
 if __name__ == "__main__":

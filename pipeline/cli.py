@@ -11,19 +11,29 @@ from pathlib import Path
 
 from pipeline.agents import AGENTS
 from pipeline.agents.utility import UTILITY_MODES
-from pipeline.errors import MeClearError
+from pipeline.errors import EXIT_CASE_ERRORS, EXIT_INTERRUPTED, ConfigError, MeClearError
+
+# ANSI/OSC escapes, other C0/C1 controls and DEL: ids and text from input files are printed through `safe`, so a
+# crafted id cannot move the cursor, retitle the terminal or hide output.
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x00, 0x20), *range(0x7F, 0xA0))}
+
+
+def safe(text: object) -> str:
+    """`text` with every control character shown as a \\xNN escape (printable to any terminal or log)."""
+    return str(text).translate(_CONTROL)
 
 
 def _add_agent_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--agent", choices=AGENTS, default="reader", help="agent whose answers define v(S) (default: reader)")
+    p.add_argument("--agent", choices=AGENTS, default="reader", help="agent whose answers define v(S)")
     p.add_argument("--model", help="model path or hub name for --agent vllm/transformers")
     p.add_argument("--agent-option", action="append", default=[], metavar="KEY=VALUE",
                    help="extra agent setting, e.g. dtype=bfloat16 or max_model_len=4096 (repeatable)")
-    p.add_argument("--executor", choices=("ray", "local"), default="ray", help="Ray actor pool (default) or in process")
+    p.add_argument("--executor", choices=("ray", "local"), default="ray", help="Ray actor pool or in process")
     p.add_argument("--actors", type=int, default=0, help="agent actors (0: one per free CPU, or per GPU for LLMs)")
-    p.add_argument("--gpus-per-actor", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--gpus-per-actor", type=float, default=0.0, help="GPUs per agent actor (0: CPU only)")
+    p.add_argument("--seed", type=int, default=0, help="seed of permutation sampling and case order")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress output (on a non-terminal, progress is a plain line every 30 s)")
 
 
 def _agent_options(args: argparse.Namespace) -> dict:
@@ -34,9 +44,12 @@ def _agent_options(args: argparse.Namespace) -> dict:
         opts["model"] = args.model
     for kv in args.agent_option:
         key, sep, value = kv.partition("=")
-        if not sep:
-            raise MeClearError(f"--agent-option {kv!r}: expected KEY=VALUE")
-        opts[key] = yaml.safe_load(value)  # numbers and booleans as such
+        if not sep or not key:
+            raise ConfigError(f"--agent-option {safe(kv)!r}: expected KEY=VALUE")
+        try:
+            opts[key] = yaml.safe_load(value)  # numbers and booleans as such
+        except yaml.YAMLError:
+            raise ConfigError(f"--agent-option {safe(kv)!r}: value is not a number, boolean or plain text") from None
     return opts
 
 
@@ -46,25 +59,34 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     a = sub.add_parser("audit", help="attribute harmful retrieved memories and pick verified clearances",
-                       description="Audit memory pools: without --memories/--queries/--locomo, the bundled sample pool.")
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       description="Audit memory pools: without --memories/--queries/--locomo, the bundled sample pool. "
+                                   "Exit codes: 0 done; 2 bad input, settings or --out (one line, nothing written); "
+                                   "3 finished but some cases failed (see errors/); 130 interrupted.")
+    a.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log at INFO level")
     a.add_argument("--memories", action="append", default=[], help="memory pool file or folder (JSONL/Parquet)")
     a.add_argument("--queries", action="append", default=[], help="query set file or folder (JSONL/Parquet)")
-    a.add_argument("--locomo", help="LoCoMo json (e.g. locomo10.json) instead of memories/queries")
+    a.add_argument("--locomo", help="LoCoMo json file (e.g. locomo10.json) instead of memories/queries")
     a.add_argument("--conversations", default="", help="LoCoMo sample_ids to keep, comma separated")
     a.add_argument("--locomo-options", type=int, default=4, help="options per LoCoMo query (0: open answers)")
     a.add_argument("--max-queries", type=int, default=0, help="audit only the first N queries (0: all)")
-    a.add_argument("--out", default="meclear-out/audit", help="run folder (default: meclear-out/audit)")
+    a.add_argument("--max-memory-chars", type=int, default=100_000,
+                   help="longest memory text accepted; longer ones are input errors")
+    a.add_argument("--out", default="meclear-out/audit",
+                   help="run folder; a rerun into it resumes (locked while a run writes it)")
+    a.add_argument("--reuse", action="append", default=[], metavar="PREVIOUS_OUT",
+                   help="earlier run folder whose utilities are reused where their key is unchanged (repeatable)")
     a.add_argument("--top-k", type=int, default=5, help="retrieval budget K (players per case)")
     a.add_argument("--permutations", type=int, default=16, help="permutation budget L")
     a.add_argument("--estimator", choices=("auto", "exact", "permutation", "adaptive"), default="auto",
-                   help="adaptive: permutations in rounds until every Shapley value is separated from -tau "
+                   help="Shapley estimator (auto: exact for small K); adaptive: permutations in rounds until every Shapley value is separated from -tau "
                         "(|phi+tau| > z*SE), at most --permutations")
     a.add_argument("--adaptive-round", type=int, default=8, help="adaptive: permutations per round (default 8)")
     a.add_argument("--adaptive-z", type=float, default=1.96, help="adaptive: z of the confidence bound (default 1.96)")
     a.add_argument("--antithetic", action="store_true", help="antithetic permutation pairs")
     a.add_argument("--tau", type=float, default=0.05, help="harm tolerance: harmful when shapley < -tau")
     a.add_argument("--kappa", type=float, default=0.05, help="LOO screen: |loo| <= kappa is inconclusive")
-    a.add_argument("--utility", choices=UTILITY_MODES, default="probability")
+    a.add_argument("--utility", choices=UTILITY_MODES, default="probability", help="utility v(S) of a coalition")
     a.add_argument("--dense", choices=("auto", "on", "off"), default="auto", help="MiniLM dense retrieval")
     a.add_argument("--batch-size", type=int, default=256, help="coalitions per actor task")
     _add_agent_args(a)
@@ -83,7 +105,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     inputs = InputSpec(
         memories=args.memories, queries=args.queries, locomo=args.locomo,
         conversations=[c for c in args.conversations.split(",") if c], locomo_options=args.locomo_options,
-        max_queries=args.max_queries,
+        max_queries=args.max_queries, max_memory_chars=args.max_memory_chars,
     )
     config = AuditConfig(
         top_k=args.top_k, permutations=args.permutations, estimator=args.estimator, antithetic=args.antithetic,
@@ -93,12 +115,12 @@ def cmd_audit(args: argparse.Namespace) -> int:
         adaptive_round=args.adaptive_round, adaptive_z=args.adaptive_z,
     )
     what = "the bundled sample pool" if inputs.is_sample else (args.locomo or ", ".join(args.memories))
-    print(f"meclear audit: {what}; agent={args.agent}, K={args.top_k}, L={args.permutations}, utility={args.utility}")
+    print(f"meclear audit: {safe(what)}; agent={args.agent}, K={args.top_k}, L={args.permutations}, utility={args.utility}")
     t = time.perf_counter()
-    result = audit(inputs, config, args.out, progress=not args.no_progress)
+    result = audit(inputs, config, args.out, progress=not args.no_progress, reuse=args.reuse)
     wall = time.perf_counter() - t
     print_summary(result, wall)
-    return 0
+    return EXIT_CASE_ERRORS if result.failed else 0
 
 
 def print_summary(result, wall: float) -> None:
@@ -120,13 +142,16 @@ def print_summary(result, wall: float) -> None:
     if cleared:
         print("\n  query                      cleared                                utility before -> after  recovered")
         for c in cleared[:12]:
-            ids = ",".join(c["cleared"])
-            print(f"  {c['pool_id'] + '/' + c['query_id']:<26} {ids[:38]:<38} "
+            ids = safe(",".join(c["cleared"]))
+            print(f"  {safe(c['pool_id'] + '/' + c['query_id']):<26} {ids[:38]:<38} "
                   f"{c['baseline_utility']:.3f} -> {c['cleared_utility']:.3f}        {c['recovered']}")
         if len(cleared) > 12:
             print(f"  ... {len(cleared) - 12} more in clearances/")
-    print(f"\n  outputs: {Path(result.out).resolve()}  (run {result.run_id})")
-    print("  datasets: contexts/ utilities/ attributions/ interactions/ clearances/ manifest.json")
+    if result.failed:
+        print(f"\n  {result.failed} queries failed and are in errors/ (first: "
+              f"{safe(result.errors[0]['query_id'])}: {safe(result.errors[0]['reason'])})")
+    print(f"\n  outputs: {safe(Path(result.out).resolve())}  (run {result.run_id})")
+    print("  datasets: contexts/ utilities/ attributions/ interactions/ clearances/ errors/ manifest.json")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,8 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except MeClearError as exc:
-        print(f"meclear: error: {exc}", file=sys.stderr)
+        print(f"meclear: error: {safe(exc)}", file=sys.stderr)
         return exc.exit_code
+    except KeyboardInterrupt:  # the runner's finally blocks have shut the agents down and released the lock
+        print("meclear: interrupted; agents shut down", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -31,7 +31,32 @@ class AgentError(MeClearError):
     """An agent could not be built or returned an unusable answer."""
 
 
+class AgentStartError(AgentError):
+    """An agent could not be built from its settings (bad option, missing model, engine refused the settings)."""
+
+    exit_code = 2
+
+
 class MissingDependencyError(MeClearError):
     """An optional dependency is not installed; the message carries the install hint."""
 
     exit_code = 2
+
+
+class OutputError(MeClearError):
+    """An output folder that cannot or must not be written: an input, foreign files, in use by another run."""
+
+    exit_code = 2
+
+
+class ResourceError(MeClearError):
+    """The cluster cannot satisfy the resources the run asks for."""
+
+    exit_code = 2
+
+
+# Exit codes of `meclear` and the jobs: 0 done; 1 an unexpected failure (a bug: traceback); 2 bad input, settings or
+# output folder (one line, nothing written); 3 finished, but some cases failed for a data reason (see errors/);
+# 130 interrupted (Ctrl-C; agents shut down).
+EXIT_CASE_ERRORS = 3
+EXIT_INTERRUPTED = 130

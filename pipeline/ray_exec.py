@@ -13,7 +13,7 @@ import os
 from typing import Mapping
 
 from pipeline.agents import AgentSpec, build_agent
-from pipeline.errors import ConfigError
+from pipeline.errors import AgentStartError, ConfigError, MeClearError, ResourceError
 from pipeline.stage import ItemResult, WorkItem, evaluate_items
 
 log = logging.getLogger(__name__)
@@ -63,10 +63,19 @@ def pool_size(agent: str, actors: int, cpus_per_actor: float, gpus_per_actor: fl
     return max(1, int(res.get("CPU", 1) // max(cpus_per_actor, 1e-9)))
 
 
+# Fault tolerance for system failures (a node lost, an actor process killed): Ray restarts a dead agent actor (its
+# __init__ rebuilds the agent) up to MAX_RESTARTS times and retries its unfinished tasks up to MAX_TASK_RETRIES times.
+# Tasks are idempotent (a coalition's utility depends on its key only), so a retried task cannot change a result.
+# Data failures (an agent error on one case, a NaN utility) are not retried: they go to errors/ (pipeline.audit).
+MAX_RESTARTS = 3
+MAX_TASK_RETRIES = 3
+
+
 def actor_options(agent: str, cpus_per_actor: float, gpus_per_actor: float, max_inflight: int = 1) -> dict:
-    """`ray.remote` options of an actor that builds `agent`: resources, concurrency, forwarded engine variables."""
+    """`ray.remote` options of an actor that builds `agent`: resources, concurrency, restarts, engine variables."""
     options: dict = {"num_cpus": cpus_per_actor, "num_gpus": gpus_per_actor,
-                     "max_concurrency": max_inflight if agent in CONCURRENT_AGENTS else 1}
+                     "max_concurrency": max_inflight if agent in CONCURRENT_AGENTS else 1,
+                     "max_restarts": MAX_RESTARTS, "max_task_retries": MAX_TASK_RETRIES}
     if (runtime_env := agent_runtime_env()) is not None:
         options["runtime_env"] = runtime_env
     return options
@@ -78,6 +87,8 @@ def close_actors(actors: list) -> None:
 
     try:
         ray.get([a.close.remote() for a in actors], timeout=120)
+    except Exception as exc:  # noqa: BLE001 - a dead or stuck actor: it is killed below either way
+        log.warning("agent actors did not close cleanly (%s); killing them", type(exc).__name__)
     finally:
         for a in actors:
             ray.kill(a)
@@ -104,21 +115,49 @@ def init_ray(num_cpus: int | None = None, temp_dir: str | None = None) -> bool:
     return True
 
 
+def check_resources(n: int, cpus_per_actor: float, gpus_per_actor: float) -> None:
+    """Fail fast, with one line, when the cluster as a whole cannot hold the pool (Ray would wait forever)."""
+    import ray
+
+    total = ray.cluster_resources()
+    for name, per in (("CPU", cpus_per_actor), ("GPU", gpus_per_actor)):
+        need, have = n * per, total.get(name, 0.0)
+        if need > have + 1e-9:
+            raise ResourceError(f"ray executor: {n} actors x {per:g} {name} = {need:g} {name} but the cluster has "
+                                f"{have:g}; lower --actors or the per-actor {name} request")
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:500]
+
+
 class AgentActor:
-    """Builds its agent once; evaluates tasks of WorkItems."""
+    """Builds its agent once; evaluates tasks of WorkItems. A build failure is kept as one line (and its exit code)
+    and returned by `fingerprint`, so the driver reports it as such instead of an actor traceback."""
 
     def __init__(self, spec: AgentSpec, utility_mode: str):
-        self.agent = build_agent(spec)
+        self.agent, self.error = None, None
+        try:
+            self.agent = build_agent(spec)
+        except MeClearError as exc:
+            self.error = (str(exc), exc.exit_code)
+        except Exception as exc:  # noqa: BLE001 - an engine that cannot start
+            self.error = (f"agent {spec.name!r} could not start: {_one_line(exc)}", 2)
         self.utility_mode = utility_mode
 
-    def fingerprint(self) -> str:
-        return self.agent.fingerprint()
+    def fingerprint(self) -> str | tuple[str, int]:
+        return self.error if self.agent is None else self.agent.fingerprint()
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def evaluate(self, items: list[WorkItem]) -> list[ItemResult]:
         return evaluate_items(self.agent, items, self.utility_mode)
 
     def close(self) -> None:
-        self.agent.close()
+        if self.agent is not None:
+            self.agent.close()
 
 
 class RayExecutor:
@@ -133,16 +172,38 @@ class RayExecutor:
         cpus_per_actor: float = 1.0,
         gpus_per_actor: float = 0.0,
         max_inflight: int = 2,
+        startup_timeout_s: float = 1800.0,
     ):
         import ray
 
         self.ray = ray
         actors = pool_size(spec.name, actors, cpus_per_actor, gpus_per_actor)
+        check_resources(actors, cpus_per_actor, gpus_per_actor)
+        free = ray.available_resources().get("CPU", 0.0)
+        if actors * cpus_per_actor > free + 1e-9:
+            log.warning("waiting for %g free CPUs for %d agent actors (%g free now; timeout %.0f s)",
+                        actors * cpus_per_actor, actors, free, startup_timeout_s)
         options = actor_options(spec.name, cpus_per_actor, gpus_per_actor, max_inflight)
         remote = ray.remote(**options)(AgentActor)
         self.actors = [remote.remote(spec, utility_mode) for _ in range(actors)]
         self.n_workers, self.max_inflight = len(self.actors), max_inflight
-        fps = set(ray.get([a.fingerprint.remote() for a in self.actors]))  # also waits for every agent to be built
+        try:  # also waits for every agent to be built
+            built = ray.get([a.fingerprint.remote() for a in self.actors], timeout=startup_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            self.close()
+            raise ResourceError(f"ray executor: {actors} agent actors not started within {startup_timeout_s:.0f} s "
+                                "(resources busy or engines slow to build)") from None
+        except BaseException:
+            self.close()
+            raise
+        failures = [b for b in built if isinstance(b, (tuple, list))]
+        if failures:
+            self.close()
+            message, code = failures[0]
+            err = AgentStartError(message)
+            err.exit_code = code
+            raise err
+        fps = set(built)
         if len(fps) != 1:
             raise ConfigError(f"ray executor: actors built different agents {sorted(fps)}; check the agent settings")
         self.fingerprint = fps.pop()
@@ -158,5 +219,5 @@ class RayExecutor:
         return worker, self.ray.get(ready[0])
 
     def close(self) -> None:
-        close_actors(self.actors)
-        self.actors = []
+        actors, self.actors = self.actors, []
+        close_actors(actors)

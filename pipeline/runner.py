@@ -1,6 +1,7 @@
 """Glue shared by the CLI and the Ray jobs: what to read, then load -> start agents -> audit -> stop agents.
 
-Inputs are loaded and validated before the output folder is created, so bad input writes nothing.
+Inputs, settings and the output folder are all checked, and the folder locked, before any agent starts or anything is
+written, so a bad input writes nothing and a second run into a locked folder fails at once.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from pathlib import Path
 
 from pipeline.audit import AuditConfig, AuditResult, run_audit
 from pipeline.configs import check, from_mapping
-from pipeline.errors import ConfigError
+from pipeline.errors import AgentStartError, ConfigError, MeClearError, OutputError
+from pipeline.io.outdir import OutLock, check_out
 from pipeline.io.loaders import input_files, load_pools, load_queries
 from pipeline.io.locomo import load_locomo
-from pipeline.io.records import Pool, Query
+from pipeline.io.records import MAX_MEMORY_CHARS, Pool, Query
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +39,22 @@ class InputSpec:
     conversations: tuple[str, ...] = ()
     locomo_options: int = 4
     max_queries: int = 0  # 0 = all
+    max_memory_chars: int = MAX_MEMORY_CHARS  # longer memory texts are input errors
 
     def __post_init__(self) -> None:
         w = "inputs"
-        object.__setattr__(self, "memories", tuple(self.memories))
-        object.__setattr__(self, "queries", tuple(self.queries))
-        object.__setattr__(self, "conversations", tuple(self.conversations))
+        for name in ("memories", "queries", "conversations"):
+            value = getattr(self, name)
+            if isinstance(value, str):  # one path given as a string, not its characters
+                value = (value,)
+            check(isinstance(value, (list, tuple)) and all(isinstance(v, str) and v for v in value), w,
+                  f"{name} must be a path or a list of paths, got {value!r}")
+            object.__setattr__(self, name, tuple(value))
+        check(self.locomo is None or isinstance(self.locomo, str), w, f"locomo must be a path, got {self.locomo!r}")
+        for name in ("max_queries", "locomo_options", "max_memory_chars"):
+            v = getattr(self, name)
+            check(isinstance(v, int) and not isinstance(v, bool), w, f"{name}={v!r}; must be an integer")
+        check(self.max_memory_chars >= 1, w, f"max_memory_chars={self.max_memory_chars}; must be >= 1")
         check(not (self.locomo and (self.memories or self.queries)), w, "give either locomo or memories+queries, not both")
         check(bool(self.memories) == bool(self.queries), w, "memories and queries must be given together")
         check(self.max_queries >= 0, w, f"max_queries={self.max_queries}; must be >= 0")
@@ -59,7 +71,7 @@ class InputSpec:
             files = [self.locomo]
         else:
             mem, qry = (self.memories, self.queries) if self.memories else tuple(map(lambda p: (str(p),), sample_paths()))
-            pools = load_pools(mem)
+            pools = load_pools(mem, self.max_memory_chars)
             queries = load_queries(qry, pools)
             files = [str(f) for p in (*mem, *qry) for f in input_files(p)]
         if self.max_queries:
@@ -67,36 +79,74 @@ class InputSpec:
         return pools, queries, files
 
 
+AGENT_CONFIGS = {"reader": ("pipeline.agents.reader", "ReaderConfig"),
+                 "vllm": ("pipeline.agents.vllm_agent", "VLLMConfig"),
+                 "transformers": ("pipeline.agents.hf_agent", "TransformersConfig")}
+
+
+def check_agent_settings(config: AuditConfig) -> None:
+    """Validate the agent's settings in the driver (one line, before Ray or an engine starts)."""
+    import importlib
+
+    module, name = AGENT_CONFIGS[config.agent]
+    cls = getattr(importlib.import_module(module), name)
+    agent_cfg = from_mapping(cls, config.agent_options, f"agent {config.agent!r} (--agent-option)")
+    model = getattr(agent_cfg, "model", None)
+    if isinstance(model, str) and model.startswith(("/", "./", "../", "~")) and not Path(model).expanduser().is_dir():
+        raise ConfigError(f"agent {config.agent!r}: model {model!r} is not a folder")
+
+
 def build_executor(config: AuditConfig):
     if config.executor == "local":
         from pipeline.executors import LocalExecutor
 
-        return LocalExecutor(config.agent_spec, config.utility)
+        try:
+            return LocalExecutor(config.agent_spec, config.utility)
+        except MeClearError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - an engine that cannot start: one line, not its traceback
+            raise AgentStartError(f"agent {config.agent!r} could not start: {type(exc).__name__}: "
+                             f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from None
     from pipeline.ray_exec import RayExecutor
 
     return RayExecutor(config.agent_spec, config.utility, config.actors, config.cpus_per_actor, config.gpus_per_actor)
 
 
-def audit(inputs: InputSpec, config: AuditConfig, out: str | Path, progress: bool = True) -> AuditResult:
-    """Load and validate inputs, start agents (Ray actors unless executor='local'), run the audit, stop agents."""
+def audit(inputs: InputSpec, config: AuditConfig, out: str | Path, progress: bool = True,
+          reuse: list[str] | tuple[str, ...] = ()) -> AuditResult:
+    """Load and validate inputs, check and lock `out`, start agents (Ray actors unless executor='local'), run the
+    audit, stop agents (also on Ctrl-C), release the lock."""
     pools, queries, files = inputs.load()
     log.info("loaded %d pools, %d queries", len(pools), len(queries))
+    check_agent_settings(config)
+    out = Path(out)
+    for r in reuse:
+        if not (Path(r) / "utilities").is_dir():
+            raise OutputError(f"--reuse {r}: has no utilities/ folder; give an earlier run's --out")
+    check_out(out, files)
+    reuse_dirs = [r for r in reuse if Path(r).resolve() != out.resolve()]
     started_ray = False
-    t = time.perf_counter()
-    if config.executor == "ray":
-        from pipeline.ray_exec import init_ray
+    with OutLock(out) as lock:
+        t = time.perf_counter()
+        executor = None
+        try:
+            if config.executor == "ray":
+                from pipeline.ray_exec import init_ray
 
-        started_ray = init_ray()
-    executor = build_executor(config)
-    startup = time.perf_counter() - t
-    try:
-        result = run_audit(pools, queries, config, out, executor, executor.fingerprint, files, progress)
-    finally:
-        executor.close()
-        if started_ray:
-            import ray
+                started_ray = init_ray()
+            executor = build_executor(config)
+            startup = time.perf_counter() - t
+            result = run_audit(pools, queries, config, out, executor, executor.fingerprint, files, progress,
+                               reuse_dirs, lock)
+        finally:
+            try:
+                if executor is not None:
+                    executor.close()
+            finally:
+                if started_ray:
+                    import ray
 
-            ray.shutdown()
+                    ray.shutdown()
     result.timings["agents_startup_s"] = startup
     return result
 
@@ -116,11 +166,15 @@ def load_job_config(path: str | Path) -> JobConfig:
     import yaml
 
     try:
-        raw = yaml.safe_load(Path(path).read_text())
+        raw = yaml.safe_load(Path(path).read_bytes().decode("utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"job config {path}: does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"job config {path}: is a folder; give the YAML file") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"job config {path}: is not UTF-8 text (byte {exc.start})") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"job config {path}: not valid YAML ({exc})") from None
+        raise ConfigError(f"job config {path}: not valid YAML ({' '.join(str(exc).split())})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"job config {path}: must be a mapping with keys inputs, audit, out")
     unknown = sorted(set(raw) - {"inputs", "audit", "out"})
@@ -128,7 +182,16 @@ def load_job_config(path: str | Path) -> JobConfig:
         raise ConfigError(f"job config {path}: unknown key(s) {unknown}; allowed ['audit', 'inputs', 'out']")
     if "out" not in raw:
         raise ConfigError(f"job config {path}: 'out' (the run folder) is required")
+    for key in ("inputs", "audit"):
+        if raw.get(key) is not None and not isinstance(raw[key], dict):
+            raise ConfigError(f"job config {path}: {key} must be a mapping of settings, got {type(raw[key]).__name__}")
+    if not isinstance(raw["out"], str) or not raw["out"].strip():
+        raise ConfigError(f"job config {path}: out must be a folder path (text; may contain {{date}})")
     inputs = from_mapping(InputSpec, raw.get("inputs"), f"job config {path}: inputs")
     audit_cfg = from_mapping(AuditConfig, raw.get("audit"), f"job config {path}: audit")
-    out = str(raw["out"]).format(date=datetime.date.today().isoformat())
+    try:
+        out = raw["out"].format(date=datetime.date.today().isoformat())
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ConfigError(f"job config {path}: out {raw['out']!r} has an unknown placeholder ({exc}); "
+                          "allowed: {date}") from None
     return JobConfig(inputs, audit_cfg, out)

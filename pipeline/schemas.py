@@ -96,10 +96,25 @@ CLEARANCES = pa.schema(
     ]
 )
 
+ERRORS = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("pool_id", pa.string()),
+        ("query_id", pa.string()),
+        ("context_hash", pa.string()),
+        ("stage", pa.string()),  # "plan" or "clearance"
+        ("coalition", pa.int64()),  # the offending coalition; null when the whole batch failed
+        ("kind", pa.string()),  # non_finite_utility | utility_out_of_range | agent_error
+        ("reason", pa.string()),
+    ]
+)
+UTILITY_KEY = ("pool_id", "query_id", "context_hash", "coalition", "agent", "utility_mode")
+
 DATASETS: dict[str, pa.Schema] = {
     "contexts": CONTEXTS,
     "utilities": UTILITIES,
     "attributions": ATTRIBUTIONS,
     "interactions": INTERACTIONS,
     "clearances": CLEARANCES,
+    "errors": ERRORS,  # cases that failed for a data reason; empty on a clean run
 }

@@ -35,10 +35,34 @@ class ItemResult:
     prompt_tokens: list[int | None]
     cached_tokens: list[int | None]
     latency_s: list[float | None]
+    error: str | None = None  # the agent failed on this item (a data reason); the other fields are then empty
+
+
+def _failed(it: WorkItem, exc: Exception) -> ItemResult:
+    empty = np.zeros(0)
+    reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+    return ItemResult(it.case_index, it.stage, np.asarray(it.masks, dtype=np.int64), empty, empty.astype(bool),
+                      [], [], [], [], [], error=reason)
 
 
 def evaluate_items(agent: Agent, items: list[WorkItem], utility_mode: str) -> list[ItemResult]:
-    """Answer every coalition of every item in one agent batch, then score each response."""
+    """Answer every coalition of every item in one agent batch, then score each response. When the batch raises, each
+    item is retried alone, so an agent error on one case marks that case only (ItemResult.error)."""
+    try:
+        return _evaluate(agent, items, utility_mode)
+    except Exception as exc:  # noqa: BLE001 - any agent failure on a case is recorded, not fatal
+        if len(items) == 1:
+            return [_failed(items[0], exc)]
+    out = []
+    for it in items:
+        try:
+            out.extend(_evaluate(agent, [it], utility_mode))
+        except Exception as exc:  # noqa: BLE001
+            out.append(_failed(it, exc))
+    return out
+
+
+def _evaluate(agent: Agent, items: list[WorkItem], utility_mode: str) -> list[ItemResult]:
     requests = [it.case.request(int(m)) for it in items for m in it.masks]
     t0 = time.perf_counter()
     responses = agent.answer_batch(requests)

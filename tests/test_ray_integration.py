@@ -26,7 +26,7 @@ def test_every_dataset_reads_back_with_its_schema(sample_run):
     for name, schema in DATASETS.items():
         df = pl.scan_parquet(sample_run / name).collect()
         assert df.columns == schema.names, name
-        assert df.height > 0, name
+        assert df.height > 0 or name == "errors", name  # errors/ is empty on a clean run
     manifest = json.loads((sample_run / "manifest.json").read_text())
     assert manifest["counts"]["cases"] == 36 and manifest["config"]["executor"] == "ray"
     assert manifest["counts"]["max_evaluations_per_case"] <= 32

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import uuid
 from dataclasses import asdict
 from pathlib import Path
@@ -233,13 +234,20 @@ def _write_text(path: Path, text: str) -> None:
 
 
 def write_outputs(out: Path, rows: list[dict], summary: dict) -> None:
-    """cases.parquet, summary.json, summary.md, figure.png, each written to a temporary name and renamed."""
+    """cases.parquet, summary.json, summary.md, figure.png: all rendered into a staging folder first, then renamed
+    into `out`, so a failure while rendering (the figure, say) leaves no partial set of outputs behind."""
     out.mkdir(parents=True, exist_ok=True)
-    table = pa.Table.from_pylist(rows, schema=CASES)
-    tmp = out / f".cases.parquet.{uuid.uuid4().hex[:8]}.tmp"
-    pq.write_table(table, tmp, compression="zstd")
-    os.replace(tmp, out / "cases.parquet")
-    _write_text(out / "summary.json", json.dumps(summary, indent=2, sort_keys=False, default=str))
-    if summary["n_cases"]:
-        figure(summary, out / "figure.png")
-    _write_text(out / "summary.md", markdown(summary))
+    staging = out / f".outputs.{uuid.uuid4().hex[:8]}.staging"
+    staging.mkdir()
+    try:
+        pq.write_table(pa.Table.from_pylist(rows, schema=CASES), staging / "cases.parquet", compression="zstd")
+        _write_text(staging / "summary.json", json.dumps(summary, indent=2, sort_keys=False, default=str))
+        if summary["n_cases"]:
+            figure(summary, staging / "figure.png")
+        _write_text(staging / "summary.md", markdown(summary))
+        for f in sorted(staging.iterdir()):  # summary.md last: its presence means the set is complete
+            if f.name != "summary.md":
+                os.replace(f, out / f.name)
+        os.replace(staging / "summary.md", out / "summary.md")
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

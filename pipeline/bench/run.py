@@ -304,6 +304,9 @@ def evaluate(config: EvalConfig, out: str | Path, progress: bool = True) -> dict
     from pipeline.bench import report
     from pipeline.io.locomo import load_locomo
 
+    from pipeline.extras import require_eval
+
+    require_eval(config.methods)  # before any work: a missing extra must not surface after the whole benchmark
     t0 = time.perf_counter()
     out = Path(out)
     if out.exists() and not out.is_dir():

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Iterable
 
 from pipeline.errors import InputError
-from pipeline.io.records import Memory, Pool, Query, iter_records, parse_memory, parse_query, text_field, warn_unknown
+from pipeline.io.records import MAX_MEMORY_CHARS, Memory, Pool, Query, iter_records, parse_memory, parse_query, text_field, warn_unknown
 
 MEMORY_FIELDS = {"memory_id", "text", "timestamp", "speaker", "metadata", "pool_id"}
 QUERY_FIELDS = {"query_id", "pool_id", "question", "answer", "options", "category", "evidence"}
@@ -26,21 +26,36 @@ def input_files(path: str | Path) -> list[Path]:
     return [p]
 
 
-def load_pools(paths: str | Path | Iterable[str | Path]) -> dict[str, Pool]:
-    """Memory pools by pool_id. A file without a pool_id column is one pool named after the file's stem."""
+def load_pools(paths: str | Path | Iterable[str | Path], max_chars: int = MAX_MEMORY_CHARS) -> dict[str, Pool]:
+    """Memory pools by pool_id. A file without a pool_id column is one pool named after the file's stem; two such
+    files with one stem (in two folders) are an error, never one merged pool."""
     if isinstance(paths, (str, Path)):
         paths = [paths]
     files = [f for p in paths for f in input_files(p)]
     grouped: dict[str, list[Memory]] = {}
     sources: dict[str, str] = {}
     where_seen: dict[tuple[str, str], str] = {}
+    stem_pools: dict[str, Path] = {}
     for f in files:
         seen: set[str] = set()
         count = 0
+        with_pool: str | None = None  # where the first row with / without a pool_id was
+        without_pool: str | None = None
         for where, rec in iter_records(f):
             warn_unknown(f, rec, MEMORY_FIELDS, seen)
-            pool_id = text_field(f, where, rec, "pool_id", required=False, numbers=True) or f.stem
-            mem = parse_memory(f, where, rec)
+            pool_id = text_field(f, where, rec, "pool_id", required=False, numbers=True)
+            if pool_id is None:
+                without_pool = without_pool or where
+                pool_id = f.stem
+                if stem_pools.setdefault(pool_id, f) != f:
+                    raise InputError(f, where, "pool_id", f"is missing, and the pool named after the file, {pool_id!r}, "
+                                                          f"is also {stem_pools[pool_id]}; rename a file or give pool_id")
+            else:
+                with_pool = with_pool or where
+            if with_pool and without_pool:
+                raise InputError(f, where, "pool_id", f"is given in some rows ({with_pool}) and not in others "
+                                                      f"({without_pool}); give it in every row or in none")
+            mem = parse_memory(f, where, rec, max_chars)
             key = (pool_id, mem.memory_id)
             if key in where_seen:
                 raise InputError(

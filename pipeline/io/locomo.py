@@ -58,22 +58,26 @@ def load_locomo(
     conversations: sample_ids to keep (all when None).
     """
     path = Path(path)
+    if path.is_dir():
+        raise InputError(path, "", None, "is a folder; give the LoCoMo json file (e.g. locomo10.json)")
     try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
+        with open(path, "rb") as fh:
+            data = json.loads(fh.read().decode("utf-8"))
     except FileNotFoundError:
         raise InputError(path, "", None, "does not exist") from None
+    except UnicodeDecodeError as exc:
+        raise InputError(path, f"byte {exc.start}", None, "is not UTF-8 text") from None
     except json.JSONDecodeError as exc:
         raise InputError(path, f"line {exc.lineno}", None, f"is not valid JSON ({exc.msg})") from None
     if not isinstance(data, list):
         raise InputError(path, "", None, "must be a JSON list of LoCoMo conversations")
+    if not data:
+        raise InputError(path, "", None, "holds no conversations")
+    _check_types(path, data)
     pools: dict[str, Pool] = {}
     queries: list[Query] = []
     for ci, conv in enumerate(data):
         where = f"conversation {ci}"
-        for key in ("sample_id", "conversation", "qa"):
-            if key not in conv:
-                raise InputError(path, where, key, "is missing")
         sid = str(conv["sample_id"])
         if conversations is not None and sid not in conversations:
             continue
@@ -121,4 +125,43 @@ def load_locomo(
         missing = sorted(set(conversations) - set(pools))
         if missing:
             raise InputError(path, "", "sample_id", f"conversations {missing} not found; have {[c['sample_id'] for c in data]}")
+    if not queries:
+        raise InputError(path, "", "qa", "holds no answerable questions")
     return pools, queries
+
+
+def _type_name(value) -> str:
+    return type(value).__name__
+
+
+def _check_types(path: Path, data: list) -> None:
+    """LoCoMo's structure, checked before use: one line naming the conversation, session, turn or QA and the field."""
+    for ci, conv in enumerate(data):
+        where = f"conversation {ci}"
+        if not isinstance(conv, dict):
+            raise InputError(path, where, None, f"must be an object, got {_type_name(conv)}")
+        for key in ("sample_id", "conversation", "qa"):
+            if key not in conv:
+                raise InputError(path, where, key, "is missing")
+        if not isinstance(conv["sample_id"], (str, int)) or isinstance(conv["sample_id"], bool):
+            raise InputError(path, where, "sample_id", f"must be a string, got {_type_name(conv['sample_id'])}")
+        if not isinstance(conv["conversation"], dict):
+            raise InputError(path, where, "conversation", f"must be an object, got {_type_name(conv['conversation'])}")
+        if not isinstance(conv["qa"], list):
+            raise InputError(path, where, "qa", f"must be a list, got {_type_name(conv['qa'])}")
+        for key, turns in conv["conversation"].items():
+            if not _SESSION.match(key):
+                continue
+            if not isinstance(turns, list):
+                raise InputError(path, f"{where} {key}", None, f"must be a list of turns, got {_type_name(turns)}")
+            for ti, turn in enumerate(turns):
+                if not isinstance(turn, dict):
+                    raise InputError(path, f"{where} {key} turn {ti}", None, f"must be an object, got {_type_name(turn)}")
+                for f in ("dia_id", "speaker", "text"):
+                    if f in turn and not isinstance(turn[f], str):
+                        raise InputError(path, f"{where} {key} turn {ti}", f, f"must be a string, got {_type_name(turn[f])}")
+        for qi, qa in enumerate(conv["qa"]):
+            if not isinstance(qa, dict):
+                raise InputError(path, f"{where} qa {qi}", None, f"must be an object, got {_type_name(qa)}")
+            if "question" in qa and not isinstance(qa["question"], str):
+                raise InputError(path, f"{where} qa {qi}", "question", f"must be a string, got {_type_name(qa['question'])}")

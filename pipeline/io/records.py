@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from pipeline.agents.utility import gold_index
+from pipeline.agents.utility import gold_index, normalize_answer
 from pipeline.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -45,8 +45,12 @@ def iter_records(path: Path) -> Iterator[tuple[str, dict]]:
     """Yield (where, record) from a JSONL or Parquet file. `where` is 'line N' (1-based) or 'row N' (0-based)."""
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json", ".ndjson"):
-        with open(path, encoding="utf-8") as fh:  # read-only: the memory bank is never opened for writing
-            for n, line in enumerate(fh, start=1):
+        with open(path, "rb") as fh:  # read-only: the memory bank is never opened for writing
+            for n, raw in enumerate(fh, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise InputError(path, f"line {n}", None, f"is not UTF-8 text (byte {exc.start})") from None
                 if not line.strip():
                     continue
                 try:
@@ -76,7 +80,12 @@ def text_field(path: Path, where: str, rec: dict, name: str, required: bool = Tr
         if required:
             raise InputError(path, where, name, "is missing (required)")
         return None
-    if numbers and isinstance(value, (int, float)) and not isinstance(value, bool):
+    if numbers and isinstance(value, float) and not isinstance(value, bool):
+        # 1 and 1.0 are one id; NaN, infinities and fractions are no id at all
+        if not value.is_integer():
+            raise InputError(path, where, name, f"must be a string or an integer, got {value!r}")
+        value = int(value)
+    if numbers and isinstance(value, int) and not isinstance(value, bool):
         value = str(value)
     if not isinstance(value, str):
         raise InputError(path, where, name, f"must be a string, got {type(value).__name__}")
@@ -85,7 +94,10 @@ def text_field(path: Path, where: str, rec: dict, name: str, required: bool = Tr
     return value
 
 
-def parse_memory(path: Path, where: str, rec: dict) -> Memory:
+MAX_MEMORY_CHARS = 100_000  # default limit of one memory's text: the largest LoCoMo turn is under 1,000 characters
+
+
+def parse_memory(path: Path, where: str, rec: dict, max_chars: int = MAX_MEMORY_CHARS) -> Memory:
     metadata = rec.get("metadata")
     if isinstance(metadata, str):  # Parquet exports often carry metadata as a JSON string
         try:
@@ -94,9 +106,13 @@ def parse_memory(path: Path, where: str, rec: dict) -> Memory:
             raise InputError(path, where, "metadata", "is a string but not a JSON object") from None
     if metadata is not None and not isinstance(metadata, dict):
         raise InputError(path, where, "metadata", f"must be an object, got {type(metadata).__name__}")
+    text = text_field(path, where, rec, "text")
+    if len(text) > max_chars:  # type: ignore[arg-type]
+        raise InputError(path, where, "text", f"has {len(text):,} characters; the limit is {max_chars:,} "  # type: ignore[arg-type]
+                                              "(--max-memory-chars)")
     return Memory(
         memory_id=text_field(path, where, rec, "memory_id", numbers=True),  # type: ignore[arg-type]
-        text=text_field(path, where, rec, "text"),  # type: ignore[arg-type]
+        text=text,  # type: ignore[arg-type]
         timestamp=text_field(path, where, rec, "timestamp", required=False, numbers=True),
         speaker=text_field(path, where, rec, "speaker", required=False),
         metadata=metadata,
@@ -116,6 +132,10 @@ def parse_query(path: Path, where: str, rec: dict, default_pool: str | None) -> 
             raise InputError(path, where, "options", f"needs at least 2 options, got {len(options)}")
         if len(set(options)) != len(options):
             raise InputError(path, where, "options", "has duplicate options")
+        normal = [normalize_answer(o) for o in options]
+        if len(set(normal)) != len(normal):  # scoring compares normalised text: the query could never be answered
+            raise InputError(path, where, "options", "has options that are equal after normalisation "
+                                                     "(case, punctuation, articles)")
         if gold_index(options, answer) < 0:  # type: ignore[arg-type]
             raise InputError(path, where, "options", f"does not include the answer {answer!r}")
     evidence = rec.get("evidence") or ()

@@ -1,27 +1,52 @@
-"""Parquet output: streamed part files for utilities, whole-dataset atomic replacement for the reductions.
+"""Parquet output: a content-addressed, append-only store for utilities; atomic replacement for the reductions.
 
 Every file appears under its final name only once complete (written to a temporary name, then renamed), so a reader or
-a resumed run never sees half a file. `polars.scan_parquet(folder)` reads each dataset folder directly.
+a resumed run never sees half a file. Utility part files are named by the SHA-256 of their bytes: no run can overwrite
+another run's rows, and a crash at any point leaves only whole parts behind. `compact` deduplicates a folder on its key
+into one part, so after every finished run `utilities/` holds each key exactly once, however many crashes came before.
+`polars.scan_parquet(folder)` reads each dataset folder directly.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 
+def _tmp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+
+
 def _write_atomic(table: pa.Table, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp = _tmp_name(path)
     pq.write_table(table, tmp, compression="zstd")
     os.replace(tmp, path)
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_part(table: pa.Table, folder: Path) -> Path:
+    """Write `table` as `part-<sha256 of its bytes>.parquet` in `folder` (identical content, identical name)."""
+    tmp = _tmp_name(folder / "part")
+    pq.write_table(table, tmp, compression="zstd")
+    final = folder / f"part-{_digest(tmp)[:24]}.parquet"
+    os.replace(tmp, final)
+    return final
 
 
 def rows_to_table(rows: list[dict] | dict[str, list], schema: pa.Schema) -> pa.Table:
@@ -31,10 +56,10 @@ def rows_to_table(rows: list[dict] | dict[str, list], schema: pa.Schema) -> pa.T
 
 
 class PartWriter:
-    """Streams rows of one dataset into numbered part files as they arrive (flushed by size or age)."""
+    """Streams rows of one dataset into content-addressed part files as they arrive (flushed by size or age)."""
 
-    def __init__(self, folder: Path, schema: pa.Schema, prefix: str, flush_rows: int = 50_000, flush_s: float = 10.0):
-        self.folder, self.schema, self.prefix = Path(folder), schema, prefix
+    def __init__(self, folder: Path, schema: pa.Schema, flush_rows: int = 50_000, flush_s: float = 10.0):
+        self.folder, self.schema = Path(folder), schema
         self.folder.mkdir(parents=True, exist_ok=True)
         self.flush_rows, self.flush_s = flush_rows, flush_s
         self._buf: list[pa.Table] = []
@@ -54,19 +79,44 @@ class PartWriter:
         self._last = time.monotonic()
         if not self._rows:
             return
-        _write_atomic(pa.concat_tables(self._buf), self.folder / f"part-{self.prefix}-{self.parts:05d}.parquet")
+        write_part(pa.concat_tables(self._buf), self.folder)
         self.parts += 1
         self.written += self._rows
         self._buf, self._rows = [], 0
 
     def close(self) -> None:
         self.flush()
-        if not any(self.folder.glob("*.parquet")):  # an empty dataset is still a readable dataset
-            _write_atomic(self.schema.empty_table(), self.folder / f"part-{self.prefix}-empty.parquet")
+
+
+def compact(folder: Path, schema: pa.Schema, key: Sequence[str]) -> dict:
+    """Rewrite every part of `folder` as one part holding each `key` once (the first written wins), then remove the
+    old parts. A crash between the two steps leaves duplicates that readers deduplicate and the next compaction
+    removes, never a lost row. Returns {"rows", "dropped", "part", "seconds"}."""
+    import polars as pl
+
+    t = time.perf_counter()
+    folder.mkdir(parents=True, exist_ok=True)
+    for tmp in folder.glob(".*.tmp"):  # a crashed writer's half file
+        tmp.unlink(missing_ok=True)
+    old = sorted(folder.glob("*.parquet"))
+    if old:
+        df = pl.read_parquet(old)
+        before = df.height
+        df = df.unique(subset=list(key), keep="first", maintain_order=True)
+        table = df.to_arrow().cast(schema)
+    else:
+        before, table = 0, schema.empty_table()
+    new = write_part(table, folder)
+    for p in old:
+        if p != new:
+            p.unlink(missing_ok=True)
+    return {"rows": table.num_rows, "dropped": before - table.num_rows, "part": new.name,
+            "seconds": round(time.perf_counter() - t, 3)}
 
 
 def replace_dataset(out: Path, name: str, rows: list[dict], schema: pa.Schema) -> None:
-    """Write a whole dataset folder and swap it in, so the previous version stays intact until the new one is done."""
+    """Write a whole dataset folder and swap it in, so the previous version stays intact until the new one is done.
+    Callers hold the output folder's lock (pipeline.io.outdir), so no second writer races the swap."""
     final = out / name
     staging = out / f".{name}.{uuid.uuid4().hex[:8]}.staging"
     staging.mkdir(parents=True)
@@ -80,7 +130,17 @@ def replace_dataset(out: Path, name: str, rows: list[dict], schema: pa.Schema) -
         shutil.rmtree(old, ignore_errors=True)
 
 
+def recover_swaps(out: Path, names: Sequence[str]) -> None:
+    """Undo what a crash mid-swap left: restore `name` from its `.old` copy when `name` is missing; drop leftovers."""
+    for name in names:
+        olds = sorted(out.glob(f".{name}.*.old"))
+        if olds and not (out / name).exists():
+            os.replace(olds.pop(), out / name)
+        for p in [*olds, *out.glob(f".{name}.*.staging")]:
+            shutil.rmtree(p, ignore_errors=True)
+
+
 def write_json_atomic(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = _tmp_name(path)
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str))
     os.replace(tmp, path)

@@ -1,0 +1,65 @@
+"""Faults under real Ray: an agent actor killed with SIGKILL mid-run is restarted and its tasks retried, so the run
+completes by itself with the undisturbed outputs; requests the cluster cannot hold and agents that cannot start fail
+at once with one line and exit code 2."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from pipeline.audit import AuditConfig, run_audit
+from pipeline.agents import AgentSpec
+from pipeline.cli import main
+from pipeline.errors import AgentStartError
+from pipeline.ray_exec import RayExecutor
+from pipeline.runner import InputSpec
+from test_audit_local import audit
+from test_resume_and_out import _assert_same_outputs
+
+pytestmark = pytest.mark.ray
+
+
+class KillingExecutor(RayExecutor):
+    """After the first finished task, SIGKILLs the process of actor 0 while it still has tasks in flight."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.victim = self.ray.get(self.actors[0].pid.remote())
+        self.killed = False
+
+    def next_done(self):
+        done = super().next_done()
+        if not self.killed and 0 in self._refs.values():
+            os.kill(self.victim, signal.SIGKILL)
+            self.killed = True
+        return done
+
+
+def test_agent_actor_killed_mid_run_restarts_and_outputs_match(ray_session, tmp_path):
+    audit(tmp_path, "local", utility="correct", batch_size=32)
+    pools, queries, files = InputSpec().load()
+    cfg = AuditConfig(utility="correct", dense="off", batch_size=32, actors=2)
+    ex = KillingExecutor(AgentSpec("reader", {}), cfg.utility, actors=2)
+    try:
+        result = run_audit(pools, queries, cfg, tmp_path / "ray", ex, ex.fingerprint, files, progress=False)
+        assert ex.killed
+        assert ray_session.get(ex.actors[0].pid.remote()) != ex.victim  # a restarted actor, a new process
+    finally:
+        ex.close()
+    assert result.failed == 0 and result.cases == 36
+    _assert_same_outputs(tmp_path / "ray", tmp_path / "local")
+
+
+def test_more_actors_than_the_cluster_holds_fail_fast_with_one_line(ray_session, tmp_path, capsys):
+    rc = main(["audit", "--out", str(tmp_path / "o"), "--actors", "5", "--dense", "off", "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "5 actors x 1 CPU = 5 CPU but the cluster has 2" in err, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_agent_that_cannot_start_inside_an_actor_is_one_line(ray_session):
+    with pytest.raises(AgentStartError, match=r"^agent 'reader': unknown key\(s\) \['nope'\]") as info:
+        RayExecutor(AgentSpec("reader", {"nope": 1}), "correct", actors=1)
+    assert info.value.exit_code == 2 and "\n" not in str(info.value)
