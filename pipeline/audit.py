@@ -114,13 +114,15 @@ def _previous_utilities(out: Path, agent_fp: str, mode: str) -> dict[tuple[str, 
     df = (
         pl.scan_parquet(folder / "*.parquet")
         .filter((pl.col("agent") == agent_fp) & (pl.col("utility_mode") == mode))
-        .select("pool_id", "query_id", "context_hash", "coalition", "utility", "correct")
+        .select("pool_id", "query_id", "context_hash", "coalition", "utility", "correct", "answer")
         .unique(subset=["pool_id", "query_id", "context_hash", "coalition"], keep="first")
         .collect()
     )
     found = {}
     for key, g in df.group_by(["pool_id", "query_id", "context_hash"]):
-        found[tuple(key)] = (g["coalition"].to_numpy(), g["utility"].to_numpy(), g["correct"].to_numpy())
+        found[tuple(key)] = (
+            g["coalition"].to_numpy(), g["utility"].to_numpy(), g["correct"].to_numpy(), g["answer"].to_list()
+        )
     return found
 
 
@@ -189,6 +191,7 @@ def context_rows(run_id: str, cases: list[Case]) -> list[dict]:
             "context_hash": c.context.context_hash,
             "position": i,
             "memory_id": mid,
+            "text": c.context.texts[i],
             "retrieval_score": c.context.scores[i],
             "bm25_rank": c.context.bm25_ranks[i],
             "dense_rank": c.context.dense_ranks[i],
@@ -264,7 +267,7 @@ def run_audit(
     while sched.busy:
         for res in sched.wait():
             st = states[res.case_index]
-            st.record(res.masks, res.utility, res.correct)
+            st.record(res.masks, res.utility, res.correct, res.answer)
             utilities.add(_utility_columns(run_id, st.case, res, agent_fingerprint, config.utility))
             advance(res.case_index)
         sched.fill()
@@ -290,7 +293,7 @@ def run_audit(
         harmful=sum(c["harmful"] for c in clearances),
         cases_with_harm=sum(c["harmful"] > 0 for c in clearances),
         failing=sum(not c["baseline_correct"] for c in clearances),
-        recovered=sum((not c["baseline_correct"]) and c["recovered"] for c in clearances),
+        recovered=sum(c["recovered"] is True for c in clearances),
         evaluated=utilities.written,
         reused=reused,
         max_evaluations=max((c["evaluations"] for c in clearances), default=0),

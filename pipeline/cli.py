@@ -111,17 +111,33 @@ def print_summary(result, wall: float) -> None:
     print()
     for name, value in rows:
         print(f"  {name:<{width}}  {value}")
-    cleared = [c for c in result.clearances if c["cleared"]]
-    if cleared:
-        print("\n  query                      cleared                                utility before -> after  recovered")
-        for c in cleared[:12]:
-            ids = ",".join(c["cleared"])
-            print(f"  {c['pool_id'] + '/' + c['query_id']:<26} {ids[:38]:<38} "
-                  f"{c['baseline_utility']:.3f} -> {c['cleared_utility']:.3f}        {c['recovered']}")
-        if len(cleared) > 12:
-            print(f"  ... {len(cleared) - 12} more in clearances/")
+    _print_clearances(result.clearances)
     print(f"\n  outputs: {Path(result.out).resolve()}  (run {result.run_id})")
     print("  datasets: contexts/ utilities/ attributions/ interactions/ clearances/ manifest.json")
+
+
+def _print_clearances(clearances: list[dict], limit: int = 12) -> None:
+    """Lead with the failing queries the clearance recovered, then those it could not, then gains on correct ones."""
+    recovered = [c for c in clearances if c["recovered"] is True]
+    unrecovered = [c for c in clearances if c["recovered"] is False]
+    improved = [c for c in clearances if c["recovered"] is None and c["cleared"]]
+    if recovered:
+        print(f"\n  wrongly answered, recovered by the clearance ({len(recovered)}):")
+        print("  query                      cleared                          answer before -> after (gold)")
+        for c in recovered[:limit]:
+            ids = ",".join(c["cleared"])
+            print(f"  {c['pool_id'] + '/' + c['query_id']:<26} {ids[:32]:<32} "
+                  f"{str(c['answer_before'])[:20]!r} -> {str(c['answer_after'])[:20]!r} ({str(c['gold'])[:20]!r})")
+        if len(recovered) > limit:
+            print(f"  ... {len(recovered) - limit} more in clearances/")
+    if unrecovered:
+        reasons: dict[str, int] = {}
+        for c in unrecovered:
+            reasons[c["reason"] or "cleared, still wrong"] = reasons.get(c["reason"] or "cleared, still wrong", 0) + 1
+        why = ", ".join(f"{n} {r}" for r, n in sorted(reasons.items(), key=lambda kv: -kv[1]))
+        print(f"\n  wrongly answered, not recovered: {len(unrecovered)} ({why})")
+    if improved:
+        print(f"  answered correctly already, clearance raised the utility: {len(improved)} (see clearances/)")
 
 
 def main(argv: list[str] | None = None) -> int:
