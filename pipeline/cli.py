@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pipeline import eval_cli
 
     eval_cli.add_parser(sub, _add_agent_args, _agent_options)
+    from pipeline.report import cli as report_cli
+
+    report_cli.add_parsers(sub)
     return parser
 
 
