@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Audit memory pools: without --memories/--queries/--locomo, the bundled sample pool.")
     a.add_argument("--memories", action="append", default=[], help="memory pool file or folder (JSONL/Parquet)")
     a.add_argument("--queries", action="append", default=[], help="query set file or folder (JSONL/Parquet)")
+    a.add_argument("--mem0", action="append", default=[], metavar="PATH",
+                   help="mem0 export (JSON list / {results: [...]} / JSONL; user_id = pool), with --queries")
     a.add_argument("--locomo", help="LoCoMo json (e.g. locomo10.json) instead of memories/queries")
     a.add_argument("--conversations", default="", help="LoCoMo sample_ids to keep, comma separated")
     a.add_argument("--locomo-options", type=int, default=4, help="options per LoCoMo query (0: open answers)")
@@ -82,7 +84,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     inputs = InputSpec(
         memories=args.memories, queries=args.queries, locomo=args.locomo,
         conversations=[c for c in args.conversations.split(",") if c], locomo_options=args.locomo_options,
-        max_queries=args.max_queries,
+        max_queries=args.max_queries, mem0=args.mem0,
     )
     config = AuditConfig(
         top_k=args.top_k, permutations=args.permutations, estimator=args.estimator, antithetic=args.antithetic,
@@ -90,7 +92,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
         agent_options=_agent_options(args), executor=args.executor, actors=args.actors,
         gpus_per_actor=args.gpus_per_actor, batch_size=args.batch_size,
     )
-    what = "the bundled sample pool" if inputs.is_sample else (args.locomo or ", ".join(args.memories))
+    what = "the bundled sample pool" if inputs.is_sample else (args.locomo or ", ".join(args.memories or args.mem0))
     print(f"meclear audit: {what}; agent={args.agent}, K={args.top_k}, L={args.permutations}, utility={args.utility}")
     t = time.perf_counter()
     result = audit(inputs, config, args.out, progress=not args.no_progress)

@@ -37,26 +37,37 @@ class InputSpec:
     conversations: tuple[str, ...] = ()
     locomo_options: int = 4
     max_queries: int = 0  # 0 = all
+    mem0: tuple[str, ...] = ()  # mem0 export files (user_id = pool); queries still come from `queries`
 
     def __post_init__(self) -> None:
         w = "inputs"
         object.__setattr__(self, "memories", tuple(self.memories))
         object.__setattr__(self, "queries", tuple(self.queries))
         object.__setattr__(self, "conversations", tuple(self.conversations))
-        check(not (self.locomo and (self.memories or self.queries)), w, "give either locomo or memories+queries, not both")
-        check(bool(self.memories) == bool(self.queries), w, "memories and queries must be given together")
+        object.__setattr__(self, "mem0", tuple(self.mem0))
+        check(not (self.locomo and (self.memories or self.queries or self.mem0)), w,
+              "give either locomo or memories/mem0 + queries, not both")
+        check(not (self.memories and self.mem0), w, "give either memories or mem0, not both")
+        check(bool(self.memories or self.mem0) == bool(self.queries), w,
+              "memories (or mem0) and queries must be given together")
         check(self.max_queries >= 0, w, f"max_queries={self.max_queries}; must be >= 0")
         check(self.locomo_options == 0 or self.locomo_options >= 2, w, "locomo_options must be 0 (open answers) or >= 2")
 
     @property
     def is_sample(self) -> bool:
-        return not self.locomo and not self.memories
+        return not self.locomo and not self.memories and not self.mem0
 
     def load(self) -> tuple[dict[str, Pool], list[Query], list[str]]:
         """(pools, queries, files read). Raises InputError on the first malformed record."""
         if self.locomo:
             pools, queries = load_locomo(self.locomo, self.locomo_options, conversations=list(self.conversations) or None)
             files = [self.locomo]
+        elif self.mem0:
+            from pipeline.io.mem0 import load_mem0
+
+            pools = load_mem0(self.mem0)
+            queries = load_queries(self.queries, pools)
+            files = [*self.mem0, *(str(f) for p in self.queries for f in input_files(p))]
         else:
             mem, qry = (self.memories, self.queries) if self.memories else tuple(map(lambda p: (str(p),), sample_paths()))
             pools = load_pools(mem)

@@ -31,7 +31,8 @@ def _plain(s: str, n: int = 18) -> str:
 def to_svg(fig: Figure) -> str:
     buf = io.StringIO()
     with matplotlib.rc_context(RC):
-        FigureCanvasSVG(fig).print_svg(buf)
+        # no RDF metadata block: it carries a date (non-reproducible) and namespace URLs
+        FigureCanvasSVG(fig).print_svg(buf, metadata={"Creator": None, "Date": None, "Format": None, "Type": None})
     text = buf.getvalue()
     return text[text.index("<svg"):]  # drop the XML prolog and DOCTYPE: the SVG is inlined in HTML
 
