@@ -17,7 +17,8 @@ def add_parsers(sub) -> None:
                    help="earlier runs for the night-over-night trends (repeatable)")
     r.add_argument("--out", help="HTML file to write (default: RUN_DIR/report.html)")
     r.add_argument("--figures", choices=("harm", "all", "none"), default="harm",
-                   help="per-query figures for queries with harm or a wrong answer (default), every query, or none")
+                   help="per-query figures for queries with a harmful memory (default), every query, or none")
+    r.add_argument("--jobs", type=int, default=0, help="processes drawing figures (0: one per CPU, at most 8)")
     r.add_argument("--no-progress", action="store_true")
     r.set_defaults(func=cmd_report)
 
@@ -42,7 +43,7 @@ def cmd_report(args: argparse.Namespace) -> int:
             if not data.is_run(p):
                 raise InputError(p, "", None, "is neither an audit run (manifest.json, clearances/) nor an eval output "
                                               "(summary.json, cases.parquet)")
-        text, stats = build.audit_report(run, args.previous, args.figures, progress=not args.no_progress)
+        text, stats = build.audit_report(run, args.previous, args.figures, not args.no_progress, args.jobs)
         what = f"audit report, {stats['queries']} queries, {stats['figures']} query figures"
     out = Path(args.out) if args.out else run / "report.html"
     _write_text_atomic(out, text)

@@ -39,25 +39,33 @@ const cols = ['pool','query','question','status','harmful','baseline','cleared_u
 let order = Q.map((_, i) => i), sortCol = null, asc = true;
 function td(tr, text, cls){const c=document.createElement('td'); c.textContent = text; if(cls) c.className=cls; tr.appendChild(c); return c;}
 function fmt(v){return v === null || v === undefined ? '' : (typeof v === 'number' ? (Number.isInteger(v) ? String(v) : v.toFixed(3)) : String(v));}
+// Rows are built on demand, PAGE at a time: the full LoCoMo audit has 1,986 queries, and laying out every row at load
+// made the page slower to open; search and sort still run over all queries.
+const PAGE = 200; let limit = PAGE;
+const more = document.getElementById('qmore');
+more.addEventListener('click', () => { limit += PAGE * 5; render(); });
 function render(){
-  const needle = search.value.toLowerCase(); const frag = document.createDocumentFragment(); let shown = 0;
+  const needle = search.value.toLowerCase(); const frag = document.createDocumentFragment(); let shown = 0, match = 0;
   for (const i of order){
     const q = Q[i];
     if (needle && !(q.pool + ' ' + q.query + ' ' + q.question + ' ' + q.status + ' ' + q.mem_ids).toLowerCase().includes(needle)) continue;
+    if (++match > limit) continue;
     const tr = document.createElement('tr'); tr.dataset.i = i;
     td(tr, q.pool); td(tr, q.query, 'mono'); td(tr, q.question.length > 90 ? q.question.slice(0, 89) + '…' : q.question);
     td(tr, q.status, 'st-' + q.status); td(tr, fmt(q.harmful), 'n'); td(tr, fmt(q.baseline), 'n');
     td(tr, fmt(q.cleared_utility), 'n'); td(tr, fmt(q.evaluations), 'n');
     frag.appendChild(tr); shown++;
   }
-  tb.replaceChildren(frag); document.getElementById('qcount').textContent = shown + ' of ' + Q.length + ' queries';
+  tb.replaceChildren(frag);
+  document.getElementById('qcount').textContent = (match > shown ? 'showing ' + shown + ' of ' : '') + match + ' matching, ' + Q.length + ' queries';
+  more.hidden = match <= shown; more.textContent = 'show ' + Math.min(match - shown, PAGE * 5) + ' more';
 }
 document.querySelectorAll('#qtable th').forEach((th, n) => th.addEventListener('click', () => {
   const c = cols[n]; asc = sortCol === c ? !asc : true; sortCol = c;
   order.sort((a, b) => { const x = Q[a][c], y = Q[b][c]; const r = (x === null) - (y === null) || (x < y ? -1 : x > y ? 1 : 0); return asc ? r : -r; });
   render();
 }));
-search.addEventListener('input', render);
+search.addEventListener('input', () => { limit = PAGE; render(); });
 tb.addEventListener('click', e => { const tr = e.target.closest('tr'); if (tr) show(+tr.dataset.i, true); });
 async function unpack(b64){
   const bytes = Uint8Array.from(atob(b64), c => c.charCodeAt(0));
@@ -102,7 +110,8 @@ async function show(i, push){
 render();
 const m = location.hash.match(/^#q=(.*)$/);
 if (m) { const key = decodeURIComponent(m[1]); const i = Q.findIndex(q => q.pool + '/' + q.query === key); if (i >= 0) show(i, false); }
-document.body.dataset.renderMs = Math.round(performance.now());
+document.body.dataset.renderMs = Math.round(performance.now());  // navigation start -> list built
+requestAnimationFrame(() => setTimeout(() => { document.body.dataset.paintMs = Math.round(performance.now()); }));
 })();
 """
 
