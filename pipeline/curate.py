@@ -29,7 +29,7 @@ CURATION = pa.schema(
         ("mean_shapley", pa.float64()),  # over the harmful pairs
         ("worst_shapley", pa.float64()),  # most negative Shapley value over all retrieved pairs
         ("substitution_pairs", pa.int32()),  # harmful pairs where it is a redundant copy of another harmful memory
-        ("joint_interference_pairs", pa.int32()),  # pairs labelled joint_interference that include it
+        ("joint_interference_pairs", pa.int32()),  # harmful pairs labelled joint_interference that include it
         ("cleared", pa.int32()),  # (run, query) pairs whose verified clearance removed it
         ("cleared_recovering", pa.int32()),  # ... of those, clearances that turned a wrong answer right
         ("runs", pa.int32()),  # runs in which it was harmful at least once
@@ -48,12 +48,13 @@ def curate(run_dirs: list[str | Path]) -> pa.Table:
         tag = [pl.lit(r.path.name).alias("run"), pl.lit(r.when).alias("when")]
         att.append(r.attributions.select("pool_id", "query_id", "memory_id", "position", "shapley", "harmful", *tag))
         harm = r.attributions.filter(pl.col("harmful")).select("pool_id", "query_id", "position")
-        subs = (
-            r.interactions.filter(pl.col("label") == "substitution")
+        both = (  # pairs of two harmful memories, as in the report's pool summary
+            r.interactions
             .join(harm.rename({"position": "position_a"}), on=["pool_id", "query_id", "position_a"], how="semi")
             .join(harm.rename({"position": "position_b"}), on=["pool_id", "query_id", "position_b"], how="semi")
         )
-        joint = r.interactions.filter(pl.col("label") == "joint_interference")
+        subs = both.filter(pl.col("label") == "substitution")
+        joint = both.filter(pl.col("label") == "joint_interference")
         for df, name in ((subs, "substitution_pairs"), (joint, "joint_interference_pairs")):
             for side in ("memory_a", "memory_b"):
                 mech.append(df.select("pool_id", pl.col(side).alias("memory_id"), pl.lit(name).alias("mechanism")))

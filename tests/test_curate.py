@@ -40,7 +40,14 @@ def test_curation_totals_equal_a_hand_computation(tmp_path, capsys):
     # by hand, from the raw rows
     harmful, retrieved, phis, worst = defaultdict(int), defaultdict(int), defaultdict(list), {}
     cleared, recovering, runs_seen = defaultdict(int), defaultdict(int), defaultdict(set)
+    mech = defaultdict(int)
     for run in runs:
+        harm_pos = {(a["pool_id"], a["query_id"], a["position"]) for a in pq.read_table(run / "attributions").to_pylist()
+                    if a["harmful"]}
+        for i in pq.read_table(run / "interactions").to_pylist():
+            if {(i["pool_id"], i["query_id"], i["position_a"]), (i["pool_id"], i["query_id"], i["position_b"])} <= harm_pos:
+                for m in (i["memory_a"], i["memory_b"]):
+                    mech[(i["pool_id"], m, i["label"])] += 1
         for a in pq.read_table(run / "attributions").to_pylist():
             key = (a["pool_id"], a["memory_id"])
             retrieved[key] += 1
@@ -60,7 +67,11 @@ def test_curation_totals_equal_a_hand_computation(tmp_path, capsys):
         assert row["worst_shapley"] == worst[key], key
         assert row["cleared"] == cleared[key] and row["cleared_recovering"] == recovering[key], key
         assert row["runs"] == len(runs_seen[key]), key
+        assert row["substitution_pairs"] == mech[(*key, "substitution")], key
+        assert row["joint_interference_pairs"] == mech[(*key, "joint_interference")], key
     assert sum(r["harmful_queries"] for r in got.values()) == sum(harmful.values())
+    assert sum(r["substitution_pairs"] for r in got.values()) > 0  # the planted redundant copies
+    assert got[("ben", "ben-02")]["substitution_pairs"] >= 1
     # memories present only on the second night are first seen there; the others on the first night
     assert got[("ana", "ana-02")]["first_seen_run"] == "night2" and got[("ana", "ana-02")]["runs"] == 1
     assert any(r["first_seen_run"] == "night1" and r["last_seen_run"] == "night2" for r in got.values())

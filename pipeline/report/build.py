@@ -24,7 +24,7 @@ POOL_COLS = [
     ("harmful_distinct", "distinct harmful memories"), ("queries_with_harm", "queries with harm"),
     ("wrong", "wrongly answered"), ("recovered", "recovered by clearance"), ("cleared", "clearances chosen"),
     ("evaluations", "agent evaluations"), ("substitution_pairs", "redundant pairs (substitution, both harmful)"),
-    ("joint_pairs", "joint-interference pairs"),
+    ("joint_pairs", "joint-interference pairs (both harmful)"),
 ]
 
 

@@ -71,14 +71,20 @@ def pool_summary(run: Run) -> list[dict]:
     """Per pool: queries, harmful memories (flags and distinct), failing/recovered, evaluations, mechanisms."""
     c, a, i = run.clearances, run.attributions, run.interactions
     harmful_att = a.filter(pl.col("harmful"))
-    # substitution pairs whose members are both harmful: redundant copies that mask each other
+    # pairs whose members are both harmful: substitution = redundant copies that mask each other; joint interference =
+    # records that hurt more together than apart. Counting every labelled pair would count pairs of a harmful memory
+    # with the helpful one it contradicts (labelled joint_interference by the reader's softmax), which is not a mechanism.
     harm_pos = harmful_att.select("pool_id", "query_id", "position")
     subs = (
         i.filter(pl.col("label") == "substitution")
         .join(harm_pos.rename({"position": "position_a"}), on=["pool_id", "query_id", "position_a"], how="semi")
         .join(harm_pos.rename({"position": "position_b"}), on=["pool_id", "query_id", "position_b"], how="semi")
     )
-    joint = i.filter(pl.col("label") == "joint_interference")
+    joint = (
+        i.filter(pl.col("label") == "joint_interference")
+        .join(harm_pos.rename({"position": "position_a"}), on=["pool_id", "query_id", "position_a"], how="semi")
+        .join(harm_pos.rename({"position": "position_b"}), on=["pool_id", "query_id", "position_b"], how="semi")
+    )
     out = []
     for pool in sorted(c["pool_id"].unique().to_list()):
         cp = c.filter(pl.col("pool_id") == pool)
