@@ -148,7 +148,7 @@ def eval_report(eval_dir: str | Path) -> str:
         extra = [k for k in next(iter(s["cases"].values())) if k != "kept"]
         sections.append(_section("Cases", html_table(["mechanism", "kept", *extra], counts, set(range(1, 2 + len(extra))))
                                  + f'<p class="muted">{esc(s.get("n_cases"))} cases from '
-                                 f'{cases["conversation"].n_unique()} conversations, {esc(s.get("fault_records"))} fault '
+                                 f'{(nc := cases["conversation"].n_unique())} conversation{"s" if nc != 1 else ""}, {esc(s.get("fault_records"))} fault '
                                  f'records; agent {esc(s.get("agent"))}; {esc(s.get("metrics", {}).get("intervals"))}</p>'))
     fractions = set(s.get("metrics", {}).get("fractions", []))
     for mode, block in s.get("utility_modes", {}).items():

@@ -19,7 +19,7 @@ main{padding:8px 24px 40px;max-width:1400px}
 section{background:#fff;border:1px solid #e3e3e3;border-radius:6px;padding:12px 16px;margin:14px 0}
 h2{font-size:16px;margin:0 0 8px}h3{font-size:14px;margin:12px 0 6px}
 table{border-collapse:collapse;font-size:13px}th,td{padding:3px 8px;border-bottom:1px solid #eee;text-align:left;vertical-align:top}
-th{background:#f3f5f7;position:sticky;top:0}td:first-child,#qtable td:nth-child(2){white-space:nowrap}td.n,th.n{text-align:right}
+th{background:#f3f5f7;position:sticky;top:0}td:first-child,#qtable td:nth-child(2),td.n{white-space:nowrap}td.n,th.n{text-align:right}
 #qtable th{cursor:pointer;user-select:none}#qtable tbody tr{cursor:pointer}#qtable tbody tr:hover{background:#eef4fb}
 #qtable tbody tr.sel{background:#dbe9f7}
 .wrap{max-height:420px;overflow:auto;border:1px solid #eee}
