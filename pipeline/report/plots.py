@@ -14,6 +14,7 @@ matplotlib.use("Agg")
 import numpy as np  # noqa: E402
 from matplotlib.backends.backend_svg import FigureCanvasSVG  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 # Text stays text (svg.fonttype none): a per-query figure is ~12 KB instead of ~60 KB with glyph paths, and the
 # fixed hash salt makes the output byte-identical across runs.
@@ -115,6 +116,7 @@ def trend_figure(labels: list[str], series: dict[str, list[dict]]) -> str:
                 vals = [np.nan if r is None else r[key] for r in rows]
                 ax.plot(x, vals, marker="o", ms=3, lw=1, label=_plain(pool, 14))
             ax.set_title(title, fontsize=8)
+            ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # counts
             ax.set_xticks(x, [_plain(lbl, 22) for lbl in labels], rotation=20, ha="right", fontsize=6)
             ax.set_xlabel("run (oldest → newest)", fontsize=6.5)
         axes[0].legend(fontsize=6, frameon=False)
