@@ -42,10 +42,10 @@ CURATION = pa.schema(
 
 
 def curate(run_dirs: list[str | Path]) -> pa.Table:
-    runs = sorted((load_run(p) for p in run_dirs), key=lambda r: r.when)
+    runs = sorted((load_run(p) for p in run_dirs), key=lambda r: r.when)  # stable: ties keep the order given
     att, mech, clr, texts = [], [], [], {}
-    for r in runs:
-        tag = [pl.lit(r.path.name).alias("run"), pl.lit(r.when).alias("when")]
+    for order, r in enumerate(runs):  # runs written in the same millisecond keep the order given
+        tag = [pl.lit(r.path.name).alias("run"), pl.lit(r.when).alias("when"), pl.lit(order).alias("order")]
         att.append(r.attributions.select("pool_id", "query_id", "memory_id", "position", "shapley", "harmful", *tag))
         harm = r.attributions.filter(pl.col("harmful")).select("pool_id", "query_id", "position")
         both = (  # pairs of two harmful memories, as in the report's pool summary
@@ -73,10 +73,10 @@ def curate(run_dirs: list[str | Path]) -> pa.Table:
             pl.col("query_id").n_unique().alias("distinct_queries"),
             pl.col("shapley").mean().alias("mean_shapley"),
             pl.col("run").n_unique().alias("runs"),
-            pl.col("run").sort_by("when").first().alias("first_seen_run"),
-            pl.col("when").min().alias("first_seen"),
-            pl.col("run").sort_by("when").last().alias("last_seen_run"),
-            pl.col("when").max().alias("last_seen"),
+            pl.col("run").sort_by("order").first().alias("first_seen_run"),
+            pl.col("when").sort_by("order").first().alias("first_seen"),
+            pl.col("run").sort_by("order").last().alias("last_seen_run"),
+            pl.col("when").sort_by("order").last().alias("last_seen"),
         )
         .join(a.group_by("pool_id", "memory_id").agg(pl.len().alias("retrieved_queries"),
                                                       pl.col("shapley").min().alias("worst_shapley")),

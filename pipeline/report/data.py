@@ -48,7 +48,7 @@ def load_run(path: str | Path) -> Run:
         if not any((p / name).glob("*.parquet")):
             raise InputError(p / name, "", None, "holds no Parquet files; the run is incomplete")
     manifest = json.loads((p / "manifest.json").read_text())
-    when = datetime.fromtimestamp((p / "manifest.json").stat().st_mtime, tz=timezone.utc).isoformat(timespec="seconds")
+    when = datetime.fromtimestamp((p / "manifest.json").stat().st_mtime, tz=timezone.utc).isoformat(timespec="milliseconds")
     clear = _read(p / "clearances")
     keys = clear.select("pool_id", "query_id", "context_hash")
     util = (
