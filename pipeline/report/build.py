@@ -86,8 +86,8 @@ def _one_figure(rec: dict) -> str:
 
 
 def _figures(records: list[dict], jobs: int, progress: bool):
-    """Per-query figures, packed, in order. Matplotlib is single-threaded and a figure costs ~0.13 s on one idle core
-    of the development machine, so the figures of a large run are drawn in worker processes."""
+    """Per-query figures, packed, in order. Matplotlib is single-threaded and a figure costs ~0.13 s on the development
+    machine (measured while it was busy), so the figures of a large run are drawn in worker processes."""
     bar = tqdm(total=len(records), desc="query figures", unit="query", disable=not progress)
     if jobs <= 1 or len(records) < 64:
         for rec in records:
