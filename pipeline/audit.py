@@ -144,13 +144,15 @@ def _previous_utilities(folders: list[Path], agent_fp: str, mode: str) -> dict[t
     df = (
         pl.scan_parquet(files)
         .filter((pl.col("agent") == agent_fp) & (pl.col("utility_mode") == mode) & pl.col("utility").is_finite())
-        .select("pool_id", "query_id", "context_hash", "coalition", "utility", "correct")
+        .select("pool_id", "query_id", "context_hash", "coalition", "utility", "correct", "answer")
         .unique(subset=["pool_id", "query_id", "context_hash", "coalition"], keep="first")
         .collect()
     )
     found = {}
     for key, g in df.group_by(["pool_id", "query_id", "context_hash"]):
-        found[tuple(key)] = (g["coalition"].to_numpy(), g["utility"].to_numpy(), g["correct"].to_numpy())
+        found[tuple(key)] = (
+            g["coalition"].to_numpy(), g["utility"].to_numpy(), g["correct"].to_numpy(), g["answer"].to_list()
+        )
     return found
 
 
@@ -275,6 +277,7 @@ def context_rows(run_id: str, cases: list[Case]) -> list[dict]:
             "context_hash": c.context.context_hash,
             "position": i,
             "memory_id": mid,
+            "text": c.context.texts[i],
             "retrieval_score": c.context.scores[i],
             "bm25_rank": c.context.bm25_ranks[i],
             "dense_rank": c.context.dense_ranks[i],
@@ -390,7 +393,8 @@ def run_audit(
                 failed.setdefault(res.case_index, []).extend(bad)
             if res.error is None:
                 keep = np.isfinite(res.utility) & (res.utility >= 0) & (res.utility <= 1)
-                st.record(res.masks[keep], res.utility[keep], res.correct[keep])
+                st.record(res.masks[keep], res.utility[keep], res.correct[keep],
+                          [a for a, k in zip(res.answer, keep) if k])
                 if keep.any():
                     utilities.add(_utility_columns(run_id, st.case, res, agent_fingerprint, config.utility, keep))
             advance(res.case_index)
@@ -424,7 +428,7 @@ def run_audit(
         harmful=sum(c["harmful"] for c in clearances),
         cases_with_harm=sum(c["harmful"] > 0 for c in clearances),
         failing=sum(not c["baseline_correct"] for c in clearances),
-        recovered=sum((not c["baseline_correct"]) and c["recovered"] for c in clearances),
+        recovered=sum(c["recovered"] is True for c in clearances),
         evaluated=utilities.written,
         reused=reused,
         max_evaluations=max((c["evaluations"] for c in clearances), default=0),

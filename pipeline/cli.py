@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log at INFO level")
     a.add_argument("--memories", action="append", default=[], help="memory pool file or folder (JSONL/Parquet)")
     a.add_argument("--queries", action="append", default=[], help="query set file or folder (JSONL/Parquet)")
+    a.add_argument("--mem0", action="append", default=[], metavar="PATH",
+                   help="mem0 export (JSON list / {results: [...]} / JSONL; user_id = pool), with --queries")
     a.add_argument("--locomo", help="LoCoMo json file (e.g. locomo10.json) instead of memories/queries")
     a.add_argument("--conversations", default="", help="LoCoMo sample_ids to keep, comma separated")
     a.add_argument("--locomo-options", type=int, default=4, help="options per LoCoMo query (0: open answers)")
@@ -95,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pipeline import eval_cli
 
     eval_cli.add_parser(sub, _add_agent_args, _agent_options)
+    from pipeline.report import cli as report_cli
+
+    report_cli.add_parsers(sub)
     return parser
 
 
@@ -105,7 +110,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     inputs = InputSpec(
         memories=args.memories, queries=args.queries, locomo=args.locomo,
         conversations=[c for c in args.conversations.split(",") if c], locomo_options=args.locomo_options,
-        max_queries=args.max_queries, max_memory_chars=args.max_memory_chars,
+        max_queries=args.max_queries, max_memory_chars=args.max_memory_chars, mem0=args.mem0,
     )
     config = AuditConfig(
         top_k=args.top_k, permutations=args.permutations, estimator=args.estimator, antithetic=args.antithetic,
@@ -114,7 +119,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
         gpus_per_actor=args.gpus_per_actor, batch_size=args.batch_size,
         adaptive_round=args.adaptive_round, adaptive_z=args.adaptive_z,
     )
-    what = "the bundled sample pool" if inputs.is_sample else (args.locomo or ", ".join(args.memories))
+    what = "the bundled sample pool" if inputs.is_sample else (args.locomo or ", ".join(args.memories or args.mem0))
     print(f"meclear audit: {safe(what)}; agent={args.agent}, K={args.top_k}, L={args.permutations}, utility={args.utility}")
     t = time.perf_counter()
     result = audit(inputs, config, args.out, progress=not args.no_progress, reuse=args.reuse)
@@ -138,20 +143,36 @@ def print_summary(result, wall: float) -> None:
     print()
     for name, value in rows:
         print(f"  {name:<{width}}  {value}")
-    cleared = [c for c in result.clearances if c["cleared"]]
-    if cleared:
-        print("\n  query                      cleared                                utility before -> after  recovered")
-        for c in cleared[:12]:
-            ids = safe(",".join(c["cleared"]))
-            print(f"  {safe(c['pool_id'] + '/' + c['query_id']):<26} {ids[:38]:<38} "
-                  f"{c['baseline_utility']:.3f} -> {c['cleared_utility']:.3f}        {c['recovered']}")
-        if len(cleared) > 12:
-            print(f"  ... {len(cleared) - 12} more in clearances/")
+    _print_clearances(result.clearances)
     if result.failed:
         print(f"\n  {result.failed} queries failed and are in errors/ (first: "
               f"{safe(result.errors[0]['query_id'])}: {safe(result.errors[0]['reason'])})")
     print(f"\n  outputs: {safe(Path(result.out).resolve())}  (run {result.run_id})")
     print("  datasets: contexts/ utilities/ attributions/ interactions/ clearances/ errors/ manifest.json")
+
+
+def _print_clearances(clearances: list[dict], limit: int = 12) -> None:
+    """Lead with the failing queries the clearance recovered, then those it could not, then gains on correct ones."""
+    recovered = [c for c in clearances if c["recovered"] is True]
+    unrecovered = [c for c in clearances if c["recovered"] is False]
+    improved = [c for c in clearances if c["recovered"] is None and c["cleared"]]
+    if recovered:
+        print(f"\n  wrongly answered, recovered by the clearance ({len(recovered)}):")
+        print("  query                      cleared                          answer before -> after (gold)")
+        for c in recovered[:limit]:
+            ids = safe(",".join(c["cleared"]))
+            print(f"  {safe(c['pool_id'] + '/' + c['query_id']):<26} {ids[:32]:<32} "
+                  f"{str(c['answer_before'])[:20]!r} -> {str(c['answer_after'])[:20]!r} ({str(c['gold'])[:20]!r})")
+        if len(recovered) > limit:
+            print(f"  ... {len(recovered) - limit} more in clearances/")
+    if unrecovered:
+        reasons: dict[str, int] = {}
+        for c in unrecovered:
+            reasons[c["reason"] or "cleared, still wrong"] = reasons.get(c["reason"] or "cleared, still wrong", 0) + 1
+        why = ", ".join(f"{n} {r}" for r, n in sorted(reasons.items(), key=lambda kv: -kv[1]))
+        print(f"\n  wrongly answered, not recovered: {len(unrecovered)} ({why})")
+    if improved:
+        print(f"  answered correctly already, clearance raised the utility: {len(improved)} (see clearances/)")
 
 
 def main(argv: list[str] | None = None) -> int:

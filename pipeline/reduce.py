@@ -31,6 +31,7 @@ class CaseState:
     plan: GamePlan
     values: np.ndarray = field(init=False)  # NaN = not evaluated
     correct: np.ndarray = field(init=False)
+    answers: dict[int, str] = field(default_factory=dict)  # coalition -> the agent's answer
     reused: int = 0  # coalitions taken from an earlier run's utilities
     phi: np.ndarray | None = None
     se: np.ndarray | None = None
@@ -66,9 +67,11 @@ class CaseState:
                     return need
         return empty
 
-    def record(self, masks: np.ndarray, utility: np.ndarray, correct: np.ndarray) -> None:
+    def record(self, masks: np.ndarray, utility: np.ndarray, correct: np.ndarray, answers=None) -> None:
         self.values[masks] = utility
         self.correct[masks] = correct
+        if answers is not None:
+            self.answers.update(zip(np.asarray(masks).tolist(), answers))
 
     def missing(self, masks: np.ndarray) -> np.ndarray:
         masks = np.unique(np.asarray(masks, dtype=np.int64))
@@ -90,6 +93,16 @@ def attribute(state: CaseState, tau: float) -> np.ndarray:
         state.phi, state.se = shapley_permutation(state.values, plan.permutations, plan.antithetic)
     state.ranking = harmful_ranking(state.phi, tau, loo_effects(state.values))
     return state.missing(clearance_coalitions(plan.k, state.ranking))
+
+
+def no_clearance_reason(result: Clearance, harmful: int) -> str | None:
+    """Why the context was left unchanged (None when a clearance was chosen)."""
+    if result.removed:
+        return None
+    if harmful == 0:
+        return "no harmful memory"
+    # harmful memories exist but no nested candidate had positive gain with the gold answer
+    return "already correct" if result.baseline_correct else "no admissible candidate"
 
 
 @dataclass(frozen=True)
@@ -145,15 +158,22 @@ def finalize(state: CaseState, run_id: str, tau: float, kappa: float) -> CaseRow
         for j in range(i + 1, plan.k)
     ]
     result = select_clearance(plan.k, state.ranking, state.values, state.correct)
+    full = (1 << plan.k) - 1
     clearance = {
         **base,
         "context_hash": ctx.context_hash,
+        "question": q.question,
+        "gold": q.answer,
+        "options": list(q.options),
+        "answer_before": state.answers.get(full),
+        "answer_after": state.answers.get(full & ~result.removed_mask),
         "cleared": [ctx.memory_ids[i] for i in result.removed],
         "baseline_utility": result.baseline_utility,
         "cleared_utility": result.cleared_utility,
         "gain": result.gain,
         "baseline_correct": result.baseline_correct,
-        "recovered": result.recovered,
+        "recovered": None if result.baseline_correct else result.recovered,
+        "reason": no_clearance_reason(result, len(state.ranking)),
         "harmful": len(state.ranking),
         "candidates": result.candidates,
         "evaluations": state.evaluations,

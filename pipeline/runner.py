@@ -40,10 +40,11 @@ class InputSpec:
     locomo_options: int = 4
     max_queries: int = 0  # 0 = all
     max_memory_chars: int = MAX_MEMORY_CHARS  # longer memory texts are input errors
+    mem0: tuple[str, ...] = ()  # mem0 export files (user_id = pool); queries still come from `queries`
 
     def __post_init__(self) -> None:
         w = "inputs"
-        for name in ("memories", "queries", "conversations"):
+        for name in ("memories", "queries", "conversations", "mem0"):
             value = getattr(self, name)
             if isinstance(value, str):  # one path given as a string, not its characters
                 value = (value,)
@@ -55,20 +56,29 @@ class InputSpec:
             v = getattr(self, name)
             check(isinstance(v, int) and not isinstance(v, bool), w, f"{name}={v!r}; must be an integer")
         check(self.max_memory_chars >= 1, w, f"max_memory_chars={self.max_memory_chars}; must be >= 1")
-        check(not (self.locomo and (self.memories or self.queries)), w, "give either locomo or memories+queries, not both")
-        check(bool(self.memories) == bool(self.queries), w, "memories and queries must be given together")
+        check(not (self.locomo and (self.memories or self.queries or self.mem0)), w,
+              "give either locomo or memories/mem0 + queries, not both")
+        check(not (self.memories and self.mem0), w, "give either memories or mem0, not both")
+        check(bool(self.memories or self.mem0) == bool(self.queries), w,
+              "memories (or mem0) and queries must be given together")
         check(self.max_queries >= 0, w, f"max_queries={self.max_queries}; must be >= 0")
         check(self.locomo_options == 0 or self.locomo_options >= 2, w, "locomo_options must be 0 (open answers) or >= 2")
 
     @property
     def is_sample(self) -> bool:
-        return not self.locomo and not self.memories
+        return not self.locomo and not self.memories and not self.mem0
 
     def load(self) -> tuple[dict[str, Pool], list[Query], list[str]]:
         """(pools, queries, files read). Raises InputError on the first malformed record."""
         if self.locomo:
             pools, queries = load_locomo(self.locomo, self.locomo_options, conversations=list(self.conversations) or None)
             files = [self.locomo]
+        elif self.mem0:
+            from pipeline.io.mem0 import load_mem0
+
+            pools = load_mem0(self.mem0)
+            queries = load_queries(self.queries, pools)
+            files = [*self.mem0, *(str(f) for p in self.queries for f in input_files(p))]
         else:
             mem, qry = (self.memories, self.queries) if self.memories else tuple(map(lambda p: (str(p),), sample_paths()))
             pools = load_pools(mem, self.max_memory_chars)

@@ -16,6 +16,7 @@ CONTEXTS = pa.schema(
         ("context_hash", pa.string()),
         ("position", pa.int32()),  # 0-based retrieval rank; bit `position` of a coalition mask
         ("memory_id", pa.string()),
+        ("text", pa.string()),  # the memory's text as the agent saw it, so a run explains itself without the inputs
         ("retrieval_score", pa.float64()),  # fused reciprocal-rank score
         ("bm25_rank", pa.int32()),  # 1-based rank under BM25 alone
         ("dense_rank", pa.int32()),  # 1-based rank under MiniLM alone; null when dense retrieval is off
@@ -83,12 +84,18 @@ CLEARANCES = pa.schema(
         ("pool_id", pa.string()),
         ("query_id", pa.string()),
         ("context_hash", pa.string()),
+        ("question", pa.string()),
+        ("gold", pa.string()),  # the gold answer
+        ("options", pa.list_(pa.string())),  # empty for open answers
+        ("answer_before", pa.string()),  # the agent's answer on the full context
+        ("answer_after", pa.string()),  # ... on the selected (cleared) context; = answer_before when nothing is cleared
         ("cleared", pa.list_(pa.string())),  # memory ids suppressed for this query only, most harmful first
         ("baseline_utility", pa.float64()),
         ("cleared_utility", pa.float64()),
         ("gain", pa.float64()),
         ("baseline_correct", pa.bool_()),
-        ("recovered", pa.bool_()),  # the agent's answer on the cleared context is the gold one
+        ("recovered", pa.bool_()),  # was wrong on the full context, is right after clearance; null when never wrong
+        ("reason", pa.string()),  # why nothing was cleared: no harmful memory | already correct | no admissible candidate
         ("harmful", pa.int32()),  # |H|
         ("candidates", pa.int32()),  # |H| + 1 nested candidates checked
         ("evaluations", pa.int32()),  # distinct coalitions evaluated for the case

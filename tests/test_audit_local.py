@@ -108,7 +108,12 @@ def test_sample_pool_planted_faults_fail_and_are_recovered(tmp_path, dense):
     util = pl.read_parquet(tmp_path / "out" / "utilities").filter(pl.col("coalition") == 31)
     for qid, c in by_query.items():
         if qid in targets:
-            assert not c["baseline_correct"] and c["recovered"] and c["cleared"], qid
+            assert not c["baseline_correct"] and c["recovered"] is True and c["cleared"] and c["reason"] is None, qid
             assert util.filter(pl.col("query_id") == qid)["answer"][0] != "", f"{qid}: wrong by a tie"
+            assert c["answer_before"] != c["gold"] and c["answer_after"] == c["gold"], qid
         else:
-            assert c["baseline_correct"] and not c["cleared"], qid
+            # recovered means "was wrong, is right after clearance": never-wrong queries carry null, and a reason
+            assert c["baseline_correct"] and not c["cleared"] and c["recovered"] is None, qid
+            assert c["reason"] in ("no harmful memory", "already correct"), qid
+            assert c["answer_before"] == c["answer_after"] == c["gold"], qid
+    assert result.recovered == len(targets) == result.failing

@@ -1,0 +1,76 @@
+"""`meclear report` and `meclear curate`: subcommands added to the main parser."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from pipeline.errors import InputError
+
+
+def add_parsers(sub) -> None:
+    r = sub.add_parser("report", help="one self-contained HTML report of an audit run (or of a `meclear eval` folder)",
+                       description="Render RUN_DIR (an audit run or an eval output) to a single offline HTML file.")
+    r.add_argument("run_dir")
+    r.add_argument("--previous", action="append", default=[], metavar="RUN_DIR",
+                   help="earlier runs for the night-over-night trends (repeatable)")
+    r.add_argument("--out", help="HTML file to write (default: RUN_DIR/report.html)")
+    r.add_argument("--figures", choices=("harm", "all", "none"), default="harm",
+                   help="per-query figures for queries with a harmful memory (default), every query, or none")
+    r.add_argument("--jobs", type=int, default=0, help="processes drawing figures (0: one per CPU, at most 8)")
+    r.add_argument("--no-progress", action="store_true")
+    r.set_defaults(func=cmd_report)
+
+    c = sub.add_parser("curate", help="rank memories by the harm they do across queries and runs (proposes, never edits)")
+    c.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    c.add_argument("--out", required=True, help="Parquet file to write")
+    c.add_argument("--top", type=int, default=15, help="rows of the printed table")
+    c.set_defaults(func=cmd_curate)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from pipeline.report import build, data
+
+    run = Path(args.run_dir)
+    t = time.perf_counter()
+    if build.is_eval(run):
+        if args.previous:
+            raise InputError(run, "", None, "is an eval output; --previous applies to audit runs only")
+        text, what = build.eval_report(run), "benchmark report"
+    else:
+        for p in [run, *args.previous]:
+            if not data.is_run(p):
+                raise InputError(p, "", None, "is neither an audit run (manifest.json, clearances/) nor an eval output "
+                                              "(summary.json, cases.parquet)")
+        text, stats = build.audit_report(run, args.previous, args.figures, not args.no_progress, args.jobs)
+        what = f"audit report, {stats['queries']} queries, {stats['figures']} query figures"
+    out = Path(args.out) if args.out else run / "report.html"
+    _write_text_atomic(out, text)
+    print(f"meclear report: {what} -> {out} ({len(text.encode()) / 1e6:.1f} MB, {time.perf_counter() - t:.1f} s)")
+    return 0
+
+
+def cmd_curate(args: argparse.Namespace) -> int:
+    from pipeline.curate import curate, print_table, write_curation
+
+    for p in args.run_dirs:
+        from pipeline.report.data import is_run
+
+        if not is_run(p):
+            raise InputError(p, "", None, "is not an audit run folder (manifest.json, clearances/)")
+    table = curate(args.run_dirs)
+    write_curation(table, args.out)
+    print_table(table, args.top)
+    print(f"\n  {table.num_rows} memories harmful at least once -> {args.out} (a proposal; the memory bank is untouched)")
+    return 0
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    import os
+    import uuid
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
