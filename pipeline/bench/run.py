@@ -46,7 +46,7 @@ class EvalConfig:
     locomo: str
     conversations: tuple[str, ...] = ()  # sample_ids; empty = all
     max_cases: int = 0  # per mechanism, over the whole run; 0 = no cap
-    methods: tuple[str, ...] = ("meclear", "loo", "contextcite", "proxyspex", "filter")
+    methods: tuple[str, ...] = ("meclear", "loo", "contextcite", "proxyspex", "filter", "controls")
     utility: tuple[str, ...] = UTILITY_MODES
     budgets: tuple[int, ...] = DEFAULT_BUDGETS
     seed: int = 0
