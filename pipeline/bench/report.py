@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 
 from pipeline.bench.bootstrap import bootstrap_groups
 from pipeline.bench.faults import MECHANISMS
+from pipeline.bench.methods import CONTROLS
 from pipeline.bench.metrics import METRICS, CaseResult
 from pipeline.bench.schema import CASES
 
@@ -256,8 +257,9 @@ def figure(summary: dict, path: Path) -> None:
                       for m in MECHANISMS]
                 v = np.array([i["value"] for i in iv])
                 err = np.array([[i["value"] - i["ci_low"] for i in iv], [i["ci_high"] - i["value"] for i in iv]])
-                bars = ax.bar(x, v, width, yerr=err, capsize=2, label=name)
-                color = bars.patches[0].get_facecolor()
+                color = plt.cm.tab20(j % 20)  # distinct colours for up to 20 methods; controls hatched
+                ax.bar(x, v, width, yerr=err, capsize=2, label=name, color=color,
+                       hatch="//" if name in CONTROLS else None, edgecolor="white" if name in CONTROLS else None)
                 ax.plot(x, v, linestyle="none", marker="_", markersize=9, markeredgewidth=2, color=color)
                 for xi, vi in zip(x, v):
                     if vi == 0:
