@@ -37,8 +37,8 @@ def add_parser(sub, add_agent_args, agent_options) -> None:
     e.add_argument("--out", required=True, help="output folder")
     e.add_argument("--methods", default=DEFAULT_METHODS,
                    help=f"comma list (default {DEFAULT_METHODS}); 'meclear' = meclear_l<L> for each budget + "
-                        "meclear_exact, 'loo' = loo + loo_threshold, 'controls' = position + random + oracle; single names "
-                        "like meclear_l8 or position also work")
+                        "meclear_exact, 'loo' = loo + loo_threshold, 'controls' = position + random + oracle; "
+                        "single names like meclear_l8 or position also work")
     e.add_argument("--utility", default=",".join(UTILITY_MODES), help="utility modes, comma list (default both)")
     e.add_argument("--conversations", default="", help="LoCoMo sample_ids to use, comma separated (default all)")
     e.add_argument("--max-cases", type=int, default=0,
