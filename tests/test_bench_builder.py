@@ -126,3 +126,20 @@ def test_oracle_control_puts_every_fault_first(faults):
     oracle = CaseOracle(ScriptedAgent(rule), bc.case)
     out = control("oracle", 5, CachedOracle(5, oracle.mode("probability")), bc.case.seed, bc.fault_positions)
     assert set(out.full_ranking[: len(faults)]) == set(faults) and out.recovered
+
+
+class FilteringAgent(ScriptedAgent):
+    """A scripted agent with an LLM-filter interface: says to drop the memories containing 'FAULT'."""
+
+    def drop_memories(self, question, options, memories):
+        return [i for i, m in enumerate(memories) if "FAULT" in m]
+
+
+def test_llm_filter_generation_counts_as_one_evaluation():
+    agent = CachedAgent(FilteringAgent(), cache=False, phase="methods")
+    out = run_case(bench_case(faults=(1, 3), mechanism="redundant"), agent, ("filter",), ("correct",), MethodConfig())
+    [(_, _, o)] = out
+    assert o.estimator == "llm_filter" and o.cleared == (1, 3) and o.recovered
+    assert o.evaluations == 2  # the cleared context's check + the filter's own generation call
+    assert agent.calls == {"methods": 2, "methods_filter": 1}  # N (exclusion check), N minus {1, 3}; one generation
+    assert set(o.full_ranking[:2]) == {1, 3}
