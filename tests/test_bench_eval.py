@@ -79,6 +79,7 @@ def test_eval_outputs_structure_and_invariants(small_run, source_hash):
                 if metric not in ("extra_background", "evaluations_per_case"):
                     assert 0.0 <= iv["value"] <= 1.0
             assert ("paired_vs_loo" in entry) == (name != "loo")
+            assert ("paired_vs_position" in entry) == (name != "position")
     # The paper's blind spot: in correct mode LOO flags no redundant fault (by construction of the cases: removing one
     # copy leaves the answer wrong, so its LOO is exactly 0). Deliberately changed (issue 7): this now reads the
     # THRESHOLDED Recall@|M|; the full-ranking Recall@|M| ranks LOO's zeros at random with the case seed.
@@ -108,6 +109,7 @@ def test_eval_outputs_structure_and_invariants(small_run, source_hash):
     assert summary["agent"].startswith("reader-") and summary["source"]["sha256"] == source_hash
     md = (small_run / "summary.md").read_text()
     assert "## Utility: correct" in md and "Sensitivity to the permutation budget" in md
+    assert "Paired difference vs the position control" in md
     assert "Fault records per context position" in md and "Excluded" in md and "| oracle |" in md
     assert (small_run / "figure.png").stat().st_size > 10_000
     assert not list(small_run.glob(".*"))  # no temporary files left behind

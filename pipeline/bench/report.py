@@ -97,6 +97,9 @@ def summarize(result, rows: list[dict], run_id: str, source_sha256: str) -> dict
         for m in MECHANISMS
         if (sub := [c for c in results if c.mechanism == m])
     }
+    # Paired differences versus the `position` control too: attribution earns its agent calls only by beating it.
+    vs_pos = (bootstrap_groups(_groups(results), "position", cfg.replicates, cfg.seed)
+              if results and "position" in cfg.methods else {})
     modes: dict[str, dict] = {}
     for utility in cfg.utility:
         methods = {}
@@ -112,6 +115,8 @@ def summarize(result, rows: list[dict], run_id: str, source_sha256: str) -> dict
             if "vs_reference" in overall[g]:
                 entry["paired_vs_loo"] = overall[g]["vs_reference"]
                 entry["paired_vs_loo_by_mechanism"] = {m: b[g]["vs_reference"] for m, b in by_mech.items()}
+            if "vs_reference" in vs_pos.get(g, {}):
+                entry["paired_vs_position"] = vs_pos[g]["vs_reference"]
             methods[method] = entry
         modes[utility] = {"methods": methods}
     kept = {m: sum(1 for c in result.cases if c.mechanism == m) for m in MECHANISMS}
@@ -213,6 +218,13 @@ def markdown(summary: dict) -> str:
             keys = ("recall_at_m", "complete_set_recall", "exact_set_match", "task_recovery")
             lines += ["", f"### Paired difference vs LOO ({mode}, percentage points)", "",
                       "| method | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
+            for name, d in paired.items():
+                lines.append(f"| {name} | " + " | ".join(_diff(d[k], k) for k in keys) + " |")
+        paired = {n: e["paired_vs_position"] for n, e in methods.items() if "paired_vs_position" in e}
+        if paired:
+            keys = ("recall_at_m", "task_recovery", "evaluations_per_case")
+            lines += ["", f"### Paired difference vs the position control ({mode}, percentage points; evaluations "
+                      "per case as a count)", "", "| method | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
             for name, d in paired.items():
                 lines.append(f"| {name} | " + " | ".join(_diff(d[k], k) for k in keys) + " |")
         sens = [n for n in methods if n.startswith("meclear_")]
