@@ -11,7 +11,7 @@ import time
 from pipeline.agents.utility import UTILITY_MODES
 from pipeline.errors import ConfigError
 
-DEFAULT_METHODS = "meclear,loo,contextcite,proxyspex,filter"
+DEFAULT_METHODS = "meclear,loo,contextcite,proxyspex,filter,controls"
 
 
 def _csv(value: str) -> list[str]:
@@ -37,7 +37,8 @@ def add_parser(sub, add_agent_args, agent_options) -> None:
     e.add_argument("--out", required=True, help="output folder")
     e.add_argument("--methods", default=DEFAULT_METHODS,
                    help=f"comma list (default {DEFAULT_METHODS}); 'meclear' = meclear_l<L> for each budget + "
-                        "meclear_exact, 'loo' = loo + loo_threshold; single names like meclear_l8 also work")
+                        "meclear_exact, 'loo' = loo + loo_threshold, 'controls' = position + random + oracle; "
+                        "single names like meclear_l8 or position also work")
     e.add_argument("--utility", default=",".join(UTILITY_MODES), help="utility modes, comma list (default both)")
     e.add_argument("--conversations", default="", help="LoCoMo sample_ids to use, comma separated (default all)")
     e.add_argument("--max-cases", type=int, default=0,
@@ -90,12 +91,20 @@ def cmd_eval(args: argparse.Namespace, agent_options) -> int:
 
 def print_headline(summary: dict, wall: float, out: str) -> None:
     cases = ", ".join(f"{m} {c['kept']}/{c['tried']}" for m, c in summary["cases"].items())
-    print(f"\n  cases kept/tried: {cases}")
+    ex = summary["excluded"]
+    print(f"\n  cases kept/tried: {cases}; from {summary['conversations']['with_cases']} conversations; excluded "
+          f"(full context right again): {ex['total']}; scored {summary['n_scored_cases']}")
+    pos = summary["fault_positions"]["overall"]["counts"]
+    print(f"  fault records per context position: {pos}; agent requests: "
+          + ", ".join(f"{k} {v}" for k, v in summary["agent_calls"].items()))
     for mode, body in summary["utility_modes"].items():
-        print(f"\n  utility={mode}          recall@|M|   recovery   redundant recall   evals/case")
+        print(f"\n  utility={mode:<12} recall@|M|  thresholded  rank-1/2/3 coverage   recovery  redundant recall"
+              "  evals/case")
         for name, e in body["methods"].items():
             o, red = e["overall"], e["by_mechanism"].get("redundant")
             rr = f"{100 * red['recall_at_m']['value']:6.1f}%" if red else "     -"
-            print(f"  {name:<22} {100 * o['recall_at_m']['value']:6.1f}%   {100 * o['task_recovery']['value']:6.1f}%"
-                  f"   {rr:>16}   {o['evaluations_per_case']['value']:8.1f}")
+            cov = "/".join(f"{100 * o[f'rank{r}_coverage']['value']:.0f}" for r in (1, 2, 3))
+            print(f"  {name:<22} {100 * o['recall_at_m']['value']:6.1f}%   "
+                  f"{100 * o['recall_at_m_thresholded']['value']:6.1f}%   {cov:>14}%   "
+                  f"{100 * o['task_recovery']['value']:6.1f}%  {rr:>14}  {o['evaluations_per_case']['value']:8.1f}")
     print(f"\n  wall time {wall:.1f} s; outputs in {out}: cases.parquet summary.json summary.md figure.png")

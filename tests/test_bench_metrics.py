@@ -14,6 +14,7 @@ from pipeline.bench import (
     bootstrap,
     bootstrap_groups,
     case_table,
+    full_ranking,
     group_cases,
     metrics,
     paired_difference,
@@ -218,3 +219,57 @@ def test_bootstrap_groups_is_fast_and_paired():
     assert out[("meclear", "judge")]["metrics"]["task_recovery"]["value"] == pytest.approx(
         metrics(groups[("meclear", "judge")])["task_recovery"]
     )
+
+
+# --- Full-ranking Recall@|M|, the thresholded variant, rank-r coverage, seeded ties (issue 7) ---------------------
+
+def ranked(case_id, faults, full, thresholded=(), **kw) -> CaseResult:
+    return CaseResult(case_id, kw.get("conversation", "conv-1"), kw.get("mechanism", "direct"), "m", "correct", faults,
+                      thresholded, (), False, 6, full)
+
+
+def test_full_ranking_recall_counts_memories_the_threshold_dropped():
+    # LOO on a redundant pair under `correct` utility: both copies score 0, so the thresholded list is empty (0 of 2)
+    # while the full ranking may still put them first.
+    got = metrics([ranked("x", ("f0", "f1"), ("f1", "f0", "a", "b", "c"))])
+    assert got["recall_at_m"] == 1.0 and got["recall_at_m_thresholded"] == 0.0
+
+
+def test_rank_r_coverage_on_hand_made_cases():
+    # a: M={f}, f at rank 2;  b: M={g,h}, g at rank 1, h at rank 3;  c: M={i}, i at rank 5.
+    cases = [
+        ranked("a", ("f",), ("x", "f", "y", "z", "w"), ("x", "f")),
+        ranked("b", ("g", "h"), ("g", "x", "h", "y", "z"), ("g",)),
+        ranked("c", ("i",), ("x", "y", "z", "w", "i")),
+    ]
+    got = metrics(cases)
+    assert got["rank1_coverage"] == pytest.approx(1 / 4)  # g
+    assert got["rank2_coverage"] == pytest.approx(2 / 4)  # g, f
+    assert got["rank3_coverage"] == pytest.approx(3 / 4)  # g, f, h
+    assert got["recall_at_m"] == pytest.approx((0 + 1 + 0) / 4)  # a: top-1 = x; b: top-2 = {g, x}; c: top-1 = x
+    assert got["recall_at_m_thresholded"] == pytest.approx((0 + 1 + 0) / 4)
+
+
+def test_full_ranking_breaks_ties_at_random_with_the_seed():
+    scores = np.array([0.0, -0.5, 0.0, 0.0, -0.5])
+    first = full_ranking(scores, seed=11)
+    np.testing.assert_array_equal(first, full_ranking(scores, seed=11))  # deterministic per seed
+    assert set(first[:2]) == {1, 4} and set(first[2:]) == {0, 2, 3}  # ties stay inside their score level
+    # Over seeds every tied memory leads equally often: no position is favoured.
+    leads = np.bincount([full_ranking(np.zeros(5), seed=s)[0] for s in range(2000)], minlength=5)
+    assert leads.min() > 330 and leads.max() < 470
+    # NaN ranks last; strict order is kept without ties.
+    np.testing.assert_array_equal(full_ranking(np.array([np.nan, 0.2, -1.0]), seed=0), [2, 1, 0])
+
+
+def test_recall_with_all_tied_scores_is_chance_on_average():
+    # One fault among K=5 tied memories: Recall@|M| over seeded tie orders averages 1/5.
+    ids = ("f", "a", "b", "c", "d")
+    vals = [metrics([ranked("x", ("f",), tuple(ids[i] for i in full_ranking(np.zeros(5), s)))])["recall_at_m"]
+            for s in range(1000)]
+    assert np.mean(vals) == pytest.approx(0.2, abs=0.04)
+
+
+def test_full_ranking_must_not_repeat_ids():
+    with pytest.raises(BenchError, match="full_ranking"):
+        ranked("x", ("f",), ("f", "f", "a"))

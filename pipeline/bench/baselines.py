@@ -7,7 +7,7 @@ harmful, and the number of distinct coalitions it evaluated. Rankings and cleara
 
 - LOO: v(N) - v(N minus i).
 - ContextCite (Cohen-Wang et al., 2024, "ContextCite: Attributing Model Generation to Context"): random ablations,
-  sparse linear surrogate.
+  sparse linear surrogate on standardised features, logit target, as in the released solver.
 - ProxySPEX (Butler et al., 2025, "ProxySPEX: Inference-Efficient Interpretability via Sparse Feature Interactions in
   LLMs"): gradient-boosted-tree proxy, its exact Fourier transform, Shapley values of that transform.
 - relevance_filter: the direct filter on retrieval relevance, which spends no agent calls on attribution.
@@ -27,8 +27,7 @@ from pipeline.game.plan import MAX_PLAYERS, full_mask, loo_coalitions
 Oracle = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
 
 DEFAULT_MASKS = 64
-# ContextCite's released code fits sklearn's Lasso with alpha=0.01 on the ablation indicators; we keep its default.
-# With keep-probability 1/2 the indicators have variance 1/4, so a weight shrinks by about 4 * alpha = 0.04 utility.
+# ContextCite's released solver fits sklearn's Lasso with alpha=0.01 on standardised ablation indicators.
 CONTEXTCITE_ALPHA = 0.01
 
 
@@ -105,14 +104,29 @@ def loo(k: int, evaluate: Oracle) -> BaselineResult:
     return BaselineResult("loo", util[0] - util[1:], oracle.evaluations)
 
 
+LOGIT_CLIP = 1e-6  # probabilities are clipped to [1e-6, 1 - 1e-6] before the logit, so 0 and 1 stay finite (+-13.8)
+
+
+def logit(p: np.ndarray, clip: float = LOGIT_CLIP) -> np.ndarray:
+    p = np.clip(np.asarray(p, dtype=np.float64), clip, 1.0 - clip)
+    return np.log(p) - np.log1p(-p)
+
+
 def context_cite(
     k: int, evaluate: Oracle, masks: int = DEFAULT_MASKS, alpha: float = CONTEXTCITE_ALPHA, seed: int = 0
 ) -> BaselineResult:
-    """ContextCite (Cohen-Wang et al., 2024): Lasso of utility on keep-indicators over random ablations.
+    """ContextCite (Cohen-Wang et al., 2024) as released (MadryLab/context-cite, `solver.LassoRegression`): `masks`
+    random ablations (each memory kept with probability 1/2, the released default), mask features standardised
+    (StandardScaler), Lasso with alpha 0.01 and an intercept on the standardised features, weights rescaled back to
+    the 0/1 mask scale (coef / scale); the target is the logit of the probability.
 
-    `masks` ablations are drawn (duplicates are evaluated once but each draw stays a regression row, so the fit sees
-    the sampling distribution). ContextCite regresses the logit of the response probability; here the surrogate is fit
-    on whatever utility mode the oracle returns, the same value every other method sees. Lasso weights = attributions.
+    Remaining differences, stated: (1) the probability is P(gold option) under the oracle's utility mode, where the
+    release uses the probability of the model's own generated response (our utility is about the gold answer, the
+    same quantity every other method sees); the released per-token averaging is moot for one option. (2) In `correct`
+    mode the utility is the 0/1 outcome; its clipped logit is +-13.8, an affine rescaling of the outcome (the Lasso
+    penalty then bites 27.6 times less than on the 0/1 scale). (3) Duplicated ablations are evaluated once but stay
+    regression rows, as in the release. (4) Our own code; no dependency on their package.
+    Lasso weights = attributions (negative = harmful), in logit units.
     """
     from sklearn.linear_model import Lasso  # lazy: scikit-learn is in the `eval` extra only
 
@@ -121,14 +135,20 @@ def context_cite(
     oracle = CachedOracle(k, evaluate)
     sample = random_masks(k, masks, np.random.default_rng(seed))
     util, _ = oracle(sample)
+    y = logit(util)
     x = keep_indicators(sample, k)
-    if np.ptp(util) == 0.0:  # a constant surrogate: every weight is zero (Lasso would warn and say the same)
-        weights, intercept = np.zeros(k), float(util[0])
+    mean, scale = x.mean(axis=0), x.std(axis=0)
+    scale = np.where(scale == 0.0, 1.0, scale)  # a memory kept (or dropped) in every draw: StandardScaler's rule
+    if np.ptp(y) == 0.0:  # a constant surrogate: every weight is zero (Lasso would warn and say the same)
+        weights, intercept = np.zeros(k), float(y[0])
     else:
-        model = Lasso(alpha=alpha, fit_intercept=True, max_iter=10_000, tol=1e-6).fit(x, util)
-        weights, intercept = model.coef_.astype(np.float64), float(model.intercept_)
+        model = Lasso(alpha=alpha, fit_intercept=True, random_state=0, max_iter=10_000, tol=1e-6)
+        model.fit((x - mean) / scale, y)
+        weights = model.coef_.astype(np.float64) / scale
+        intercept = float(model.intercept_) - float((mean / scale) @ model.coef_)
     return BaselineResult(
-        "contextcite", weights, oracle.evaluations, {"intercept": intercept, "masks": masks, "alpha": alpha}
+        "contextcite", weights, oracle.evaluations,
+        {"intercept": intercept, "masks": masks, "alpha": alpha, "target": "logit"},
     )
 
 

@@ -10,6 +10,16 @@ mechanism's check on the agent's binary outcome (N = the frozen context, F = the
 - redundant: wrong on N, wrong on N minus any single fault (LOO is blind), right on N minus F (r >= 2 records);
 - joint: wrong on N, right on N minus either fault (each alone is harmless), right on N minus F (two records).
 
+Fault positions are balanced: a retrieved fault set whose records would put a context position more than
+POSITION_SLACK records ahead of the conversation's per-position mean is skipped before any agent call, and the next
+(weaker) candidate is tried, so faults spread over the whole context instead of sitting at positions 0-1 (where the
+strong templates, which restate the question, are retrieved). Deterministic given the seed and the query order.
+
+Economies for an expensive agent (issue 7): every agent answer is cached by its request (question, options, memories)
+for the whole build (`CachedAgent`); the clean check runs block by block, only for the queries still needed; the
+causal check asks the cheapest condition first (N, then N minus F, then the single removals) and stops at the first
+failure; a conversation stops once every mechanism's quota is met; progress is shown within a conversation.
+
 The source file is only read; injected records exist only in memory. Everything is seeded per query and mechanism,
 so a case does not depend on which shard built it or on the other queries.
 """
@@ -18,12 +28,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipeline.agents.base import Agent
+from pipeline.agents.base import Agent, AgentRequest, AgentResponse
 from pipeline.agents.utility import score
 from pipeline.bench.faults import MECHANISMS, STRONG_TEMPLATES, FaultSpec, content_words, fault_memories, fault_specs
 from pipeline.bench.index import PoolIndex
@@ -37,6 +48,51 @@ log = logging.getLogger(__name__)
 
 CATEGORIES = ("1", "2", "3", "4")  # LoCoMo single-hop, temporal, open-domain, multi-hop (5 = adversarial, excluded)
 BLOCK = 32  # clean queries tried together, so their candidate faults are embedded in shared batches
+POSITION_SLACK = 1  # a position may run this many fault records ahead of the per-position mean of its conversation
+
+
+class CachedAgent:
+    """Wraps an Agent: answers each distinct request (question, options, memories) once, and counts the requests
+    forwarded to the agent by phase (`calls[phase]`) and those answered from the cache (`hits`). cache=False only
+    counts (the methods phase must re-ask the agent). Other attributes (e.g. `drop_memories`) pass through, counted.
+    """
+
+    def __init__(self, agent: Agent, cache: bool = True, phase: str = "build"):
+        self.agent, self.cache, self.phase = agent, cache, phase
+        self._answers: dict[tuple, AgentResponse] = {}
+        self.calls: Counter[str] = Counter()
+        self.hits = 0
+
+    def fingerprint(self) -> str:
+        return self.agent.fingerprint()
+
+    def answer_batch(self, requests: list[AgentRequest]) -> list[AgentResponse]:
+        keys = [(r.question, tuple(r.options), tuple(r.memories)) for r in requests]
+        if not self.cache:
+            self.calls[self.phase] += len(requests)
+            return self.agent.answer_batch(requests)
+        todo = {}
+        for key, r in zip(keys, requests, strict=True):
+            if key not in self._answers and key not in todo:
+                todo[key] = r
+        self.hits += len(requests) - len(todo)
+        if todo:
+            self.calls[self.phase] += len(todo)
+            for key, resp in zip(todo, self.agent.answer_batch(list(todo.values())), strict=True):
+                self._answers[key] = resp
+        return [self._answers[k] for k in keys]
+
+    def close(self) -> None:
+        self.agent.close()
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.agent, name)  # AttributeError when the agent lacks it, so hasattr() stays truthful
+        if name == "drop_memories" and callable(attr):
+            def counted(*args, **kwargs):
+                self.calls[self.phase + "_filter"] += 1
+                return attr(*args, **kwargs)
+            return counted
+        return attr
 
 
 @dataclass(frozen=True)
@@ -49,6 +105,7 @@ class BuildConfig:
     max_distractors: int = 2  # distractors tried per (query, mechanism)
     mechanisms: tuple[str, ...] = MECHANISMS
     seed: int = 0
+    balance_positions: bool = True  # skip fault sets that would over-fill a context position (see module doc)
 
     def __post_init__(self) -> None:
         w = "build config"
@@ -89,6 +146,7 @@ class MechanismCount:
     candidates: int = 0  # fault sets written
     not_retrieved: int = 0  # ... with a record outside the frozen context
     check_failed: int = 0  # ... retrieved, but failing the mechanism check
+    position_skipped: int = 0  # ... retrieved, but skipped unchecked: a fault position already over its share
 
 
 @dataclass
@@ -97,6 +155,9 @@ class BuildResult:
     eligible: int  # queries of categories 1-4 with evidence and options
     clean: int  # ... answered correctly on the clean context
     counts: dict[str, MechanismCount] = field(default_factory=dict)
+    agent_calls: dict[str, int] = field(default_factory=dict)  # requests sent to the agent, by phase
+    checked: int = 0  # eligible queries clean-checked (the rest were never needed: every quota was met)
+    cache_hits: int = 0
 
 
 def check_masks(mechanism: str, k: int, positions: tuple[int, ...]) -> list[int]:
@@ -122,9 +183,23 @@ def passes(mechanism: str, correct: list[bool]) -> bool:
 
 
 def verify(agent: Agent, case: BenchCase) -> bool:
-    """Re-check a case's mechanism under `agent` (fresh evaluations)."""
+    """Re-check a case's mechanism under `agent`, cheapest condition first: N must be wrong (one call), then N minus F
+    right (one call), then the single removals (redundant, joint) in one batch; stops at the first failure."""
     masks = check_masks(case.mechanism, case.case.k, case.fault_positions)
-    return passes(case.mechanism, CaseOracle(agent, case.case).outcome(np.array(masks)).tolist())
+    oracle = CaseOracle(agent, case.case)
+    if bool(oracle.outcome(np.array(masks[:1]))[0]) or not bool(oracle.outcome(np.array(masks[1:2]))[0]):
+        return False
+    return passes(case.mechanism, oracle.outcome(np.array(masks)).tolist())
+
+
+def position_ok(hist: np.ndarray, positions: tuple[int, ...], slack: int = POSITION_SLACK) -> bool:
+    """Whether adding fault records at `positions` keeps every position within `slack` records of the per-position
+    mean (after adding): the greedy stratified selection that spreads faults over the context."""
+    new = hist.copy()
+    for p in positions:
+        new[p] += 1
+    limit = np.floor(new.sum() / new.size) + slack
+    return bool(all(new[p] <= limit for p in positions))
 
 
 def cap_cases(cases: list[BenchCase], cap: int) -> list[BenchCase]:
@@ -161,24 +236,61 @@ def clean_queries(agent: Agent, index: PoolIndex, queries: list[Query]) -> list[
     ]
 
 
+class _Progress:
+    """Progress within a conversation: a tqdm bar on a TTY, plain log lines (every block) otherwise, or nothing."""
+
+    def __init__(self, total: int, desc: str, enabled: bool):
+        self.enabled, self.desc, self.total, self.bar = enabled, desc, total, None
+        if enabled and sys.stderr.isatty():
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, desc=desc, unit="query", leave=False)
+
+    def update(self, done: int, n: int, **info) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(**info)
+            self.bar.update(n)
+        elif self.enabled:
+            print(f"{self.desc}: {done}/{self.total} clean-checked queries, " +
+                  ", ".join(f"{k} {v}" for k, v in info.items()), file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def build_pool(
-    agent: Agent, index: PoolIndex, pool: Pool, queries: list[Query], config: BuildConfig, progress=None
+    agent: Agent, index: PoolIndex, pool: Pool, queries: list[Query], config: BuildConfig, progress: bool = False
 ) -> BuildResult:
-    """Build the cases of one pool (conversation). Stops trying a mechanism once it has config.max_cases cases."""
+    """Build the cases of one pool (conversation). Stops trying a mechanism once it has config.max_cases cases, and
+    the conversation once every mechanism has; faults are position-balanced within the conversation."""
     eligible = eligible_queries([q for q in queries if q.pool_id == pool.pool_id])
-    clean = clean_queries(agent, index, eligible)
+    cached = agent if isinstance(agent, CachedAgent) else CachedAgent(agent)
     idf = index.idf(pool.pool_id)
     counts = {m: MechanismCount() for m in config.mechanisms}
     kept: list[BenchCase] = []
     cap = config.max_cases or None
+    hist = np.zeros(config.top_k, dtype=np.int64)  # fault records kept per context position
+    n_clean = checked_n = 0
+    clean_order: dict[str, int] = {}
 
     def full(m: str) -> bool:
         return cap is not None and counts[m].verified >= cap
 
     step = BLOCK if cap is None else max(4, min(BLOCK, cap))  # a small cap should not try queries it never keeps
-    for start in range(0, len(clean), step):
+    bar = _Progress(len(eligible), f"building {pool.pool_id}", progress)
+    for start in range(0, len(eligible), step):
+        if all(full(m) for m in config.mechanisms):
+            break  # every quota met: the rest of the conversation is never asked
+        cached.phase = "clean"
+        block = clean_queries(cached, index, eligible[start : start + step])
+        checked_n = min(start + step, len(eligible))
+        cached.phase = "verify"
+        for q, _ in block:
+            clean_order[q.query_id] = len(clean_order)
+        n_clean += len(block)
         pending = []  # [query, q_emb, mechanism, candidates, index of the next candidate]
-        for query, q_emb in clean[start : start + step]:
+        for query, q_emb in block:
             words = content_words(query.question, idf)
             for m in config.mechanisms:
                 if full(m):
@@ -198,6 +310,8 @@ def build_pool(
             still = []
             for j, (e, spec, faults) in enumerate(tries):
                 query, q_emb, m = e[0], e[1], e[2]
+                if full(m):
+                    continue
                 counts[m].candidates += 1
                 ctx = index.freeze(query, q_emb, faults, None if emb is None else emb[offsets[j] : offsets[j + 1]])
                 ids = tuple(f.memory_id for f in faults)
@@ -207,20 +321,26 @@ def build_pool(
                     case_id = f"{query.query_id}:{m}"
                     seed = case_seed(config.seed, query.pool_id, case_id)
                     bc = BenchCase(case_id, m, Case(query, ctx, seed), ids, spec)
-                    if verify(agent, bc):
-                        counts[m].verified += 1
-                        kept.append(bc)
-                        continue
-                    counts[m].check_failed += 1
+                    if not (config.balance_positions and ctx.k == hist.size) or position_ok(hist, bc.fault_positions):
+                        if verify(cached, bc):
+                            counts[m].verified += 1
+                            kept.append(bc)
+                            for p in bc.fault_positions:
+                                hist[p] += 1
+                            continue
+                        counts[m].check_failed += 1
+                    else:
+                        counts[m].position_skipped += 1
                 e[4] += 1
                 if e[4] < len(e[3]):
                     still.append(e)
             pending = still
-        if progress is not None:
-            progress(min(start + step, len(clean)), len(clean))
-    order = {q.query_id: i for i, (q, _) in enumerate(clean)}
-    kept.sort(key=lambda c: (order[c.case.query.query_id], MECHANISMS.index(c.mechanism)))
+        bar.update(min(start + step, len(eligible)), min(step, len(eligible) - start),
+                   cases=len(kept), calls=sum(cached.calls.values()))
+    bar.close()
+    kept.sort(key=lambda c: (clean_order[c.case.query.query_id], MECHANISMS.index(c.mechanism)))
     kept = cap_cases(kept, config.max_cases)
-    log.info("%s: %d eligible, %d clean, kept %s", pool.pool_id, len(eligible), len(clean),
+    log.info("%s: %d eligible, %d clean, kept %s", pool.pool_id, len(eligible), n_clean,
              {m: c.verified for m, c in counts.items()})
-    return BuildResult(kept, len(eligible), len(clean), counts)
+    return BuildResult(kept, len(eligible), n_clean, counts, dict(cached.calls), checked=checked_n,
+                       cache_hits=cached.hits)

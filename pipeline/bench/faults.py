@@ -150,7 +150,9 @@ def fault_memories(pool_id: str, case_id: str, spec: FaultSpec, question: str, w
 def strengths(mechanism: str, n_words: int) -> list[str]:
     """Strength variants to try, in order. Direct and redundant conflicts start strong (a redundant copy must overturn
     the answer on its own); joint interactions start weak and grow until the pair, not each record, flips it."""
-    weak = [f"weak-{n}" for n in range(1, n_words)]  # n_words itself is the whole question: that is "strong"
+    # weak-<n_words> names every content word without restating the question: a step between the weak ones and
+    # "strong", added so the position balancing (builder) has a candidate that lands lower than a restatement.
+    weak = [f"weak-{n}" for n in range(1, n_words + 1)]
     if mechanism == "joint":
         return weak + ["strong"]
     return ["strong"] + weak[::-1]

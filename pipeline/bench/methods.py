@@ -12,7 +12,14 @@ coalition once per case (`CaseOracle`); both utility modes and all methods read 
 - contextcite, proxyspex: `pipeline.bench.baselines`, same ranking rule (without LOO tie-break: it would cost
   evaluations they do not make) and the same nested clearance.
 - filter: the agent's own `drop_memories` (LLM agents) or, for agents without one, the relevance-threshold filter on
-  lexical relevance (the fraction of the question's content words a memory contains); no nested search.
+  lexical relevance (the fraction of the question's content words a memory contains); no nested search. The LLM
+  filter's own generation call counts as one agent evaluation.
+- Controls, through the same nested clearance over ALL K memories (no attribution; any method must beat them to earn
+  its agent calls): position (retrieval order, most relevant first), random (a seeded permutation per case), oracle
+  (the true fault set first, then retrieval order: the ceiling of a ranking-then-clearance method).
+
+Every outcome also carries the method's FULL ranking of the K memories (its scores, ascending, ties broken at random
+with the case seed: `pipeline.bench.metrics.full_ranking`), which full-ranking Recall@|M| and rank-r coverage read.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import numpy as np
 from pipeline.agents.base import Agent
 from pipeline.bench.baselines import CachedOracle, context_cite, loo, proxyspex, relevance_filter
 from pipeline.bench.builder import BenchCase
+from pipeline.bench.metrics import full_ranking
 from pipeline.bench.oracle import CaseOracle
 from pipeline.errors import ConfigError
 from pipeline.game import harmful_ranking, make_plan, select_clearance, shapley_exact, shapley_permutation
@@ -33,6 +41,7 @@ from pipeline.game.plan import full_mask
 from pipeline.retrieval import tokens
 
 FAMILIES = ("meclear", "loo", "contextcite", "proxyspex", "filter")
+CONTROLS = ("position", "random", "oracle")
 DEFAULT_BUDGETS = (4, 8, 16)
 
 
@@ -57,18 +66,23 @@ class MethodConfig:
 
 def expand_methods(names: list[str] | tuple[str, ...], budgets: tuple[int, ...] = DEFAULT_BUDGETS) -> tuple[str, ...]:
     """Method names from CLI words: 'meclear' -> meclear_l<L> for each budget + meclear_exact, 'loo' -> loo +
-    loo_threshold; single names (meclear_l8, meclear_exact, loo_threshold, ...) pass through. Order kept, no repeats."""
+    loo_threshold, 'controls' -> position + random + oracle; single names (meclear_l8, meclear_exact, loo_threshold,
+    position, ...) pass through. Order kept, no repeats."""
     out: list[str] = []
     for n in names:
         if n == "meclear":
             out += [f"meclear_l{b}" for b in budgets] + ["meclear_exact"]
         elif n == "loo":
             out += ["loo", "loo_threshold"]
-        elif n in ("contextcite", "proxyspex", "filter", "loo_threshold", "meclear_exact") or _budget(n) is not None:
+        elif n == "controls":
+            out += list(CONTROLS)
+        elif n in ("contextcite", "proxyspex", "filter", "loo_threshold", "meclear_exact", *CONTROLS) \
+                or _budget(n) is not None:
             out.append(n)
         else:
             raise ConfigError(
-                f"methods: {n!r} is not a method; allowed {FAMILIES}, loo_threshold, meclear_exact, meclear_l<L>"
+                f"methods: {n!r} is not a method; allowed {FAMILIES}, loo_threshold, meclear_exact, meclear_l<L>, "
+                f"controls, {', '.join(CONTROLS)}"
             )
     return tuple(dict.fromkeys(out))
 
@@ -83,13 +97,14 @@ def _budget(name: str) -> int | None:
 class Outcome:
     """One method's result on one case in one utility mode (positions in the frozen context)."""
 
-    ranking: tuple[int, ...]
+    ranking: tuple[int, ...]  # thresholded harmful list (controls: the full ranking)
     cleared: tuple[int, ...]
     recovered: bool
     evaluations: int
     baseline_utility: float | None
     cleared_utility: float | None
     estimator: str
+    full_ranking: tuple[int, ...] = ()  # all K positions, most harmful first (seeded ties)
 
 
 def _clear(k: int, ranking: np.ndarray, ev: CachedOracle) -> tuple[tuple[int, ...], bool, float, float]:
@@ -103,11 +118,31 @@ def _clear(k: int, ranking: np.ndarray, ev: CachedOracle) -> tuple[tuple[int, ..
     return c.removed, c.recovered, c.baseline_utility, c.cleared_utility
 
 
-def _ranked(k: int, attribution: np.ndarray, ev: CachedOracle, tau: float, name: str,
+def _full(scores: np.ndarray, seed: int) -> tuple[int, ...]:
+    return tuple(int(i) for i in full_ranking(scores, seed))
+
+
+def _ranked(k: int, attribution: np.ndarray, ev: CachedOracle, tau: float, name: str, seed: int,
             loo_tie: np.ndarray | None = None) -> Outcome:
     ranking = harmful_ranking(attribution, tau, loo_tie)
     removed, recovered, base, cleared = _clear(k, ranking, ev)
-    return Outcome(tuple(int(i) for i in ranking), removed, recovered, ev.evaluations, base, cleared, name)
+    return Outcome(tuple(int(i) for i in ranking), removed, recovered, ev.evaluations, base, cleared, name,
+                   _full(attribution, seed))
+
+
+def control(name: str, k: int, ev: CachedOracle, seed: int, faults: tuple[int, ...]) -> Outcome:
+    """A control ranking of all K memories, then the same nested verified clearance (K+1 candidates)."""
+    if name == "position":
+        scores = np.arange(k, dtype=np.float64)  # most relevant (position 0) first
+    elif name == "random":
+        scores = np.random.default_rng([seed, 1]).permutation(k).astype(np.float64)
+    else:  # oracle: faults first (ties among them by the case seed), then retrieval order
+        scores = np.arange(k, dtype=np.float64)
+        scores[list(faults)] = -1.0
+    ranking = np.array(_full(scores, seed), dtype=np.int64)
+    removed, recovered, base, cleared = _clear(k, ranking, ev)
+    r = tuple(int(i) for i in ranking)
+    return Outcome(r, removed, recovered, ev.evaluations, base, cleared, name, r)
 
 
 def meclear(k: int, ev: CachedOracle, budget: int | None, seed: int, tau: float) -> Outcome:
@@ -117,7 +152,7 @@ def meclear(k: int, ev: CachedOracle, budget: int | None, seed: int, tau: float)
     values = np.full(1 << k, np.nan)
     values[plan.coalitions] = util
     phi = shapley_exact(values) if budget is None else shapley_permutation(values, plan.permutations)[0]
-    return _ranked(k, phi, ev, tau, plan.estimator, loo_effects(values))
+    return _ranked(k, phi, ev, tau, plan.estimator, seed, loo_effects(values))
 
 
 def _lexical_relevance(question: str, texts: tuple[str, ...]) -> np.ndarray:
@@ -132,36 +167,52 @@ def run_method(method: str, bc: BenchCase, agent: Agent, oracle: CaseOracle, uti
     ev = CachedOracle(k, oracle.mode(utility))
     if method == "meclear_exact" or _budget(method) is not None:
         return meclear(k, ev, _budget(method), case.seed, cfg.tau)
+    if method in CONTROLS:
+        return control(method, k, ev, case.seed, bc.fault_positions)
     if method in ("loo", "loo_threshold"):
         a = loo(k, ev).attribution
         if method == "loo":
-            return _ranked(k, a, ev, cfg.tau, "loo", a)
+            return _ranked(k, a, ev, cfg.tau, "loo", case.seed, a)
         ranking = harmful_ranking(a, cfg.tau, a)
         kept = full_mask(k) & ~sum(1 << int(i) for i in ranking)
         util, ok = ev(np.array([full_mask(k), kept]))
         r = tuple(int(i) for i in ranking)
-        return Outcome(r, r, bool(ok[1]), ev.evaluations, float(util[0]), float(util[1]), "loo")
+        return Outcome(r, r, bool(ok[1]), ev.evaluations, float(util[0]), float(util[1]), "loo", _full(a, case.seed))
     if method == "contextcite":
-        return _ranked(k, context_cite(k, ev, cfg.contextcite_masks, seed=case.seed).attribution, ev, cfg.tau, method)
+        a = context_cite(k, ev, cfg.contextcite_masks, seed=case.seed).attribution
+        return _ranked(k, a, ev, cfg.tau, method, case.seed)
     if method == "proxyspex":
-        return _ranked(k, proxyspex(k, ev, cfg.proxyspex_masks, seed=case.seed).attribution, ev, cfg.tau, method)
+        a = proxyspex(k, ev, cfg.proxyspex_masks, seed=case.seed).attribution
+        return _ranked(k, a, ev, cfg.tau, method, case.seed)
     if method == "filter":
         if drop is not None:  # the LLM filter: drop what the model says, check the result once
             r = tuple(sorted(int(i) for i in drop))
             kept = full_mask(k) & ~sum(1 << i for i in r)
             util, ok = ev(np.array([kept]))
-            return Outcome(r, r, bool(ok[0]), ev.evaluations, None, float(util[0]), "llm_filter")
-        res = relevance_filter(_lexical_relevance(case.query.question, case.context.texts), cfg.filter_threshold, ev)
+            scores = np.zeros(k)
+            scores[list(r)] = -1.0  # dropped first; within each group ties by the case seed
+            # +1: the filter's own generation call is an agent evaluation too.
+            return Outcome(r, r, bool(ok[0]), ev.evaluations + 1, None, float(util[0]), "llm_filter",
+                           _full(scores, case.seed))
+        rel = _lexical_relevance(case.query.question, case.context.texts)
+        res = relevance_filter(rel, cfg.filter_threshold, ev)
         r = tuple(res.extras["cleared"])  # type: ignore[arg-type]
         return Outcome(r, r, bool(res.extras["recovered"]), ev.evaluations, None,
-                       float(res.extras["cleared_utility"]), "relevance_filter")  # type: ignore[arg-type]
+                       float(res.extras["cleared_utility"]), "relevance_filter",  # type: ignore[arg-type]
+                       _full(res.attribution, case.seed))
     raise ConfigError(f"methods: {method!r} is not a method")
 
 
 def run_case(bc: BenchCase, agent: Agent, methods: tuple[str, ...], utilities: tuple[str, ...],
-             cfg: MethodConfig) -> list[tuple[str, str, Outcome]]:
-    """Every (method, utility mode) on one case: [(method, utility, outcome)]."""
+             cfg: MethodConfig) -> list[tuple[str, str, Outcome]] | None:
+    """Every (method, utility mode) on one case: [(method, utility, outcome)], or None when the case is excluded.
+
+    The full context is re-evaluated first, in this phase: an LLM's answer can change with batching, and a case whose
+    full context now comes back correct has nothing to recover, so it is excluded from every method's metrics.
+    """
     oracle = CaseOracle(agent, bc.case)
+    if bool(oracle.outcome(np.array([full_mask(bc.case.k)]))[0]):
+        return None
     if "meclear_exact" in methods:
         oracle.fetch(np.arange(1 << bc.case.k))  # all of them are needed anyway: one agent batch
     drop = None

@@ -5,9 +5,15 @@ a numerator and a denominator, and the metric is sum(numerators) / sum(denominat
 contributions, not just the ratio, is what lets the cluster bootstrap resample cases and recompute the ratio correctly,
 and lets paired differences be taken per case before resampling.
 
-Metrics (M = the injected faults of a case, C = the memories the clearance removed):
-- recall_at_m: Recall@|M|, |top-|M| of the ranking ∩ M| / |M| (micro: summed over cases). A ranking shorter than |M|
-  counts its missing slots as misses.
+Metrics (M = the injected faults of a case, C = the memories the clearance removed, R = the method's FULL ranking of
+all K memories, most harmful first, ties broken at random with the case seed: see `full_ranking`):
+- recall_at_m: Recall@|M| as the MeClear paper defines it, a ranking-quality measure: |R[:|M|] ∩ M| / |M| (micro:
+  summed over cases). Every memory is ranked, so a memory the method scores harmless can still count.
+- recall_at_m_thresholded: the same over the thresholded harmful list only (the memories the method flags, phi < -tau);
+  a list shorter than |M| counts its missing slots as misses. This was `recall_at_m` before the full-ranking version.
+- rank1_coverage, rank2_coverage, rank3_coverage: the paper's rank-r coverage, the share of fault memories found at
+  rank <= r of R: sum over cases of |R[:r] ∩ M| divided by sum of |M|. With |M| = 2, rank-1 coverage is at most 1/2
+  per case; rank-r coverage for r >= |M| is at least recall_at_m.
 - complete_set_recall: fraction of cases with M ⊆ C.
 - exact_set_match: fraction of cases with C == M (as sets).
 - task_recovery: fraction of cases whose answer on the cleared context is the gold one (Binary Task Recovery).
@@ -33,6 +39,10 @@ from pipeline.errors import MeClearError
 MECHANISMS = ("direct", "redundant", "joint")
 METRICS = (
     "recall_at_m",
+    "recall_at_m_thresholded",
+    "rank1_coverage",
+    "rank2_coverage",
+    "rank3_coverage",
     "complete_set_recall",
     "exact_set_match",
     "task_recovery",
@@ -60,10 +70,11 @@ class CaseResult:
     method: str
     utility: str  # utility mode name
     faults: tuple[MemoryId, ...]  # M, the injected harmful memories
-    ranking: tuple[MemoryId, ...]  # the method's harmful ranking, most harmful first
+    ranking: tuple[MemoryId, ...]  # the method's thresholded harmful ranking, most harmful first
     cleared: tuple[MemoryId, ...]  # the memories the clearance actually removed
     recovered: bool  # the agent's answer on the cleared context is the gold one
     evaluations: int  # distinct coalitions the method evaluated for this case
+    full_ranking: tuple[MemoryId, ...] = ()  # every memory of the context, most harmful first; () = `ranking` only
 
     def __post_init__(self) -> None:
         where = f"case {self.case_id!r} ({self.method}/{self.utility})"
@@ -71,12 +82,17 @@ class CaseResult:
             raise BenchError(f"{where}: mechanism={self.mechanism!r}; allowed {MECHANISMS}")
         if not self.faults:
             raise BenchError(f"{where}: faults is empty; every fault-injected case has at least one fault")
-        for name in ("faults", "ranking", "cleared"):
+        for name in ("faults", "ranking", "cleared", "full_ranking"):
             ids = getattr(self, name)
             if len(set(ids)) != len(ids):
                 raise BenchError(f"{where}: {name}={ids!r} repeats a memory id; each id may appear once")
         if self.evaluations < 0:
             raise BenchError(f"{where}: evaluations={self.evaluations}; must be >= 0")
+
+    @property
+    def ranked(self) -> tuple[MemoryId, ...]:
+        """The full ranking (the thresholded list where a record carries none)."""
+        return self.full_ranking or self.ranking
 
     @property
     def group(self) -> tuple[str, str]:
@@ -114,9 +130,14 @@ def contributions(case: CaseResult) -> tuple[np.ndarray, np.ndarray]:
     cleared = set(case.cleared)
     m = len(faults)
     complete = faults <= cleared
+    full = case.ranked
     num = np.array(
         [
+            len(faults.intersection(full[:m])),
             len(faults.intersection(case.ranking[:m])),
+            len(faults.intersection(full[:1])),
+            len(faults.intersection(full[:2])),
+            len(faults.intersection(full[:3])),
             float(complete),
             float(cleared == faults),
             float(case.recovered),
@@ -126,8 +147,19 @@ def contributions(case: CaseResult) -> tuple[np.ndarray, np.ndarray]:
         ],
         dtype=np.float64,
     )
-    den = np.array([m, 1, 1, 1, 1, 1, 1], dtype=np.float64)
+    den = np.array([m, m, m, m, m, 1, 1, 1, 1, 1, 1], dtype=np.float64)
     return num, den
+
+
+def full_ranking(scores: np.ndarray, seed: int) -> np.ndarray:
+    """Every position ranked by ascending score (most harmful = most negative first); ties in a random order drawn
+    from `seed` (the case seed), so tied memories are neither favoured nor penalised by their context position.
+
+    A NaN score ranks last (as +inf). The tie order is a seeded permutation used as the secondary sort key.
+    """
+    s = np.nan_to_num(np.asarray(scores, dtype=np.float64), nan=np.inf)
+    tie = np.random.default_rng(seed).permutation(s.size)
+    return np.lexsort((tie, s)).astype(np.int64)
 
 
 def case_table(cases: Iterable[CaseResult]) -> CaseTable:

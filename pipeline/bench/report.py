@@ -16,11 +16,13 @@ import pyarrow.parquet as pq
 
 from pipeline.bench.bootstrap import bootstrap_groups
 from pipeline.bench.faults import MECHANISMS
+from pipeline.bench.methods import CONTROLS
 from pipeline.bench.metrics import METRICS, CaseResult
 from pipeline.bench.schema import CASES
 
 COUNT_METRICS = ("extra_background", "evaluations_per_case")  # reported as counts, not fractions
-HEADLINE = ("recall_at_m", "complete_set_recall", "exact_set_match", "task_recovery", "residual_error_risk",
+HEADLINE = ("recall_at_m", "recall_at_m_thresholded", "rank1_coverage", "rank2_coverage", "rank3_coverage",
+            "complete_set_recall", "exact_set_match", "task_recovery", "residual_error_risk",
             "extra_background", "evaluations_per_case")
 
 
@@ -41,6 +43,7 @@ def case_rows(result, run_id: str) -> list[dict]:
                 "utility": utility,
                 "faults": list(bc.faults),
                 "ranking": [ids[i] for i in o.ranking],
+                "full_ranking": [ids[i] for i in o.full_ranking],
                 "cleared": [ids[i] for i in o.cleared],
                 "recovered": o.recovered,
                 "evaluations": o.evaluations,
@@ -57,7 +60,8 @@ def case_rows(result, run_id: str) -> list[dict]:
 def to_case_results(rows: list[dict]) -> list[CaseResult]:
     return [
         CaseResult(r["case_id"], r["conversation"], r["mechanism"], r["method"], r["utility"], tuple(r["faults"]),
-                   tuple(r["ranking"]), tuple(r["cleared"]), r["recovered"], r["evaluations"])
+                   tuple(r["ranking"]), tuple(r["cleared"]), r["recovered"], r["evaluations"],
+                   tuple(r["full_ranking"]))
         for r in rows
     ]
 
@@ -67,6 +71,19 @@ def _groups(results: list[CaseResult]) -> dict[tuple[str, str], list[CaseResult]
     for c in results:
         out.setdefault(c.group, []).append(c)
     return out
+
+
+def position_histogram(cases, k: int) -> dict:
+    """Fault records per context position (0 = retrieved first), overall and per mechanism, counts and shares."""
+    def one(sub) -> dict:
+        counts = np.zeros(k, dtype=np.int64)
+        for c in sub:
+            for p in c.fault_positions:
+                counts[p] += 1
+        total = int(counts.sum())
+        return {"counts": counts.tolist(), "share": (counts / total).round(4).tolist() if total else [0.0] * k}
+
+    return {"overall": one(cases), "by_mechanism": {m: one([c for c in cases if c.mechanism == m]) for m in MECHANISMS}}
 
 
 def summarize(result, rows: list[dict], run_id: str, source_sha256: str) -> dict:
@@ -81,6 +98,9 @@ def summarize(result, rows: list[dict], run_id: str, source_sha256: str) -> dict
         for m in MECHANISMS
         if (sub := [c for c in results if c.mechanism == m])
     }
+    # Paired differences versus the `position` control too: attribution earns its agent calls only by beating it.
+    vs_pos = (bootstrap_groups(_groups(results), "position", cfg.replicates, cfg.seed)
+              if results and "position" in cfg.methods else {})
     modes: dict[str, dict] = {}
     for utility in cfg.utility:
         methods = {}
@@ -96,9 +116,13 @@ def summarize(result, rows: list[dict], run_id: str, source_sha256: str) -> dict
             if "vs_reference" in overall[g]:
                 entry["paired_vs_loo"] = overall[g]["vs_reference"]
                 entry["paired_vs_loo_by_mechanism"] = {m: b[g]["vs_reference"] for m, b in by_mech.items()}
+            if "vs_reference" in vs_pos.get(g, {}):
+                entry["paired_vs_position"] = vs_pos[g]["vs_reference"]
             methods[method] = entry
         modes[utility] = {"methods": methods}
     kept = {m: sum(1 for c in result.cases if c.mechanism == m) for m in MECHANISMS}
+    hist = position_histogram(result.cases, cfg.top_k)
+    scored = {bc.case_id for bc, _ in result.outcomes}
     return {
         "benchmark": "FI-LoCoMo",
         "run_id": run_id,
@@ -106,6 +130,18 @@ def summarize(result, rows: list[dict], run_id: str, source_sha256: str) -> dict
         "queries": result.queries,
         "n_cases": len(result.cases),
         "fault_records": sum(len(c.faults) for c in result.cases),
+        "fault_positions": hist,
+        "excluded": {"by_mechanism": dict(result.excluded), "total": sum(result.excluded.values()),
+                     "rule": "full context answered correctly when re-evaluated in the methods phase; excluded from "
+                             "every method's metrics"},
+        "n_scored_cases": len(scored),
+        "scored_by_mechanism": {m: {"cases": sum(1 for bc, _ in result.outcomes if bc.mechanism == m),
+                                    "conversations": len({bc.conversation for bc, _ in result.outcomes
+                                                          if bc.mechanism == m})} for m in MECHANISMS},
+        "conversations": {"run": result.conversations_run,
+                          "with_cases": len({bc.conversation for bc, _ in result.outcomes})},
+        "agent_calls": dict(result.agent_calls),
+        "build_cache_hits": result.cache_hits,
         "utility_modes": modes,
         "metrics": {"fractions": [m for m in METRICS if m not in COUNT_METRICS], "counts": list(COUNT_METRICS),
                     "intervals": f"95% two-level cluster bootstrap (conversations, then cases), {cfg.replicates} "
@@ -133,18 +169,37 @@ def markdown(summary: dict) -> str:
     """Paper-style tables: method x metric with 95% intervals, per utility mode; per-mechanism recall and recovery;
     paired differences versus LOO; sensitivity to the permutation budget L."""
     lines = ["# FI-LoCoMo results", ""]
+    lines += ["Controls (no attribution, same nested clearance over all K memories): `position` (retrieval order), "
+              "`random` (seeded), `oracle` (true faults first: the ceiling). recall_at_m ranks all K memories (ties "
+              "at random with the case seed); recall_at_m_thresholded counts only the flagged harmful list; "
+              "rank<r>_coverage is the share of fault records at rank <= r.", ""]
     cfg = summary["config"]
     lines += [f"Agent `{summary['agent']}`, retrieval {summary['retrieval']} (K={cfg['top_k']}), tau=kappa="
               f"{cfg['tau']}, seed {cfg['seed']}, {cfg['replicates']} bootstrap replicates. Percentages with 95% "
               "two-level cluster-bootstrap intervals; extra_background and evaluations_per_case are per-case counts.",
               "", "## Cases", "", "| mechanism | tried | verified | kept | fault sets written | not retrieved | "
-              "check failed |", "|---|---|---|---|---|---|---|"]
+              "position over its share (skipped unchecked) | check failed |", "|---|---|---|---|---|---|---|---|"]
     for m, c in summary["cases"].items():
         lines.append(f"| {m} | {c['tried']} | {c['verified']} | {c['kept']} | {c['candidates']} | "
-                     f"{c['not_retrieved']} | {c['check_failed']} |")
+                     f"{c['not_retrieved']} | {c.get('position_skipped', 0)} | {c['check_failed']} |")
     q = summary["queries"]
-    lines += ["", f"{q['eligible']} eligible queries (categories 1-4 with evidence), {q['clean']} answered correctly "
-              f"on their clean context; {summary['n_cases']} cases, {summary['fault_records']} fault records.", ""]
+    conv = summary["conversations"]
+    ex = summary["excluded"]
+    lines += ["", f"{q['eligible']} eligible queries (categories 1-4 with evidence), {q.get('checked', q['eligible'])} "
+              f"clean-checked, {q['clean']} answered correctly on their clean context; {summary['n_cases']} cases "
+              f"from {conv['with_cases']} conversations, {summary['fault_records']} fault records. Excluded (full "
+              f"context answered correctly again in the methods phase): {ex['total']} "
+              f"({', '.join(f'{m} {n}' for m, n in ex['by_mechanism'].items())}); {summary['n_scored_cases']} cases "
+              "scored.", "", "### Fault records per context position (0 = retrieved first)", "",
+              "| mechanism | " + " | ".join(f"pos {i}" for i in range(cfg['top_k'])) + " |",
+              "|---|" + "---|" * cfg["top_k"]]
+    fp = summary["fault_positions"]
+    for name, h in [("all", fp["overall"]), *fp["by_mechanism"].items()]:
+        lines.append(f"| {name} | " + " | ".join(f"{n} ({100 * sh:.0f}%)" for n, sh in zip(h["counts"], h["share"]))
+                     + " |")
+    calls = summary["agent_calls"]
+    lines += ["", "Agent requests by phase: " + ", ".join(f"{k} {v}" for k, v in calls.items())
+              + f"; build cache hits {summary['build_cache_hits']}.", ""]
     for mode, body in summary["utility_modes"].items():
         methods = body["methods"]
         lines += [f"## Utility: {mode}", "", "| method | n | " + " | ".join(HEADLINE) + " |",
@@ -166,6 +221,13 @@ def markdown(summary: dict) -> str:
                       "| method | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
             for name, d in paired.items():
                 lines.append(f"| {name} | " + " | ".join(_diff(d[k], k) for k in keys) + " |")
+        paired = {n: e["paired_vs_position"] for n, e in methods.items() if "paired_vs_position" in e}
+        if paired:
+            keys = ("recall_at_m", "task_recovery", "evaluations_per_case")
+            lines += ["", f"### Paired difference vs the position control ({mode}, percentage points; evaluations "
+                      "per case as a count)", "", "| method | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
+            for name, d in paired.items():
+                lines.append(f"| {name} | " + " | ".join(_diff(d[k], k) for k in keys) + " |")
         sens = [n for n in methods if n.startswith("meclear_")]
         if sens:
             keys = ("recall_at_m", "complete_set_recall", "exact_set_match", "task_recovery", "extra_background",
@@ -181,15 +243,20 @@ def markdown(summary: dict) -> str:
 
 
 def figure(summary: dict, path: Path) -> None:
-    """Recall@|M| and task recovery by mechanism (bars with 95% intervals) and MeClear's sensitivity to L, one row per
-    utility mode."""
+    """Recall@|M| (full ranking) and task recovery by mechanism (bars with 95% intervals; every bar marked at its value
+    so a zero shows, zeros labelled), and MeClear's sensitivity to L (offset curves with distinct markers), one row per
+    utility mode. x labels carry n cases and the conversations behind each interval."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     modes = list(summary["utility_modes"])
-    fig, axes = plt.subplots(len(modes), 3, figsize=(17, 4.2 * len(modes)), squeeze=False)
+    scored = summary.get("scored_by_mechanism", {})
+    conv = summary["conversations"]["with_cases"]
+    ticks = [f"{m}\nn={scored.get(m, {}).get('cases', 0)}, {scored.get(m, {}).get('conversations', 0)} conv."
+             for m in MECHANISMS]
+    fig, axes = plt.subplots(len(modes), 3, figsize=(19, 4.8 * len(modes)), squeeze=False)
     for row, mode in enumerate(modes):
         methods = summary["utility_modes"][mode]["methods"]
         names = list(methods)
@@ -203,20 +270,33 @@ def figure(summary: dict, path: Path) -> None:
                       for m in MECHANISMS]
                 v = np.array([i["value"] for i in iv])
                 err = np.array([[i["value"] - i["ci_low"] for i in iv], [i["ci_high"] - i["value"] for i in iv]])
-                ax.bar(x, v, width, yerr=err, capsize=2, label=name)
-            ax.set_xticks(np.arange(len(MECHANISMS)), MECHANISMS)
-            ax.set_ylim(0, 1.05)
-            ax.set_title(f"{metric} by mechanism ({mode})")
+                color = plt.cm.tab20(j % 20)  # distinct colours for up to 20 methods; controls hatched
+                ax.bar(x, v, width, yerr=err, capsize=2, label=name, color=color,
+                       hatch="//" if name in CONTROLS else None, edgecolor="white" if name in CONTROLS else None)
+                ax.plot(x, v, linestyle="none", marker="_", markersize=9, markeredgewidth=2, color=color)
+                for xi, vi in zip(x, v):
+                    if vi == 0:
+                        ax.annotate("0", (xi, 0), xytext=(0, 3), textcoords="offset points", ha="center",
+                                    fontsize=6, color=color)
+            ax.set_xticks(np.arange(len(MECHANISMS)), ticks, fontsize=8)
+            ax.set_ylim(-0.02, 1.05)
+            ax.set_xlabel("fault mechanism (n cases, conversations)")
+            ax.set_ylabel(f"{metric} (share)")
+            ax.set_title(f"{metric} by mechanism ({mode}); 95% CI over {conv} conversations", fontsize=9)
         ax = axes[row, 2]
         sens = [n for n in names if n.startswith("meclear_")]
-        for metric in ("recall_at_m", "complete_set_recall", "exact_set_match", "task_recovery"):
+        keys = ("recall_at_m", "complete_set_recall", "exact_set_match", "task_recovery")
+        for i, (metric, marker) in enumerate(zip(keys, ("o", "s", "^", "D"))):
             iv = [methods[n]["overall"][metric] for n in sens]
-            v = np.array([i["value"] for i in iv])
-            err = np.array([[i["value"] - i["ci_low"] for i in iv], [i["ci_high"] - i["value"] for i in iv]])
-            ax.errorbar(np.arange(len(sens)), v, yerr=err, marker="o", capsize=3, label=metric)
+            v = np.array([it["value"] for it in iv])
+            err = np.array([[it["value"] - it["ci_low"] for it in iv], [it["ci_high"] - it["value"] for it in iv]])
+            ax.errorbar(np.arange(len(sens)) + (i - 1.5) * 0.08, v, yerr=err, marker=marker, capsize=3, label=metric)
         ax.set_xticks(np.arange(len(sens)), [n.removeprefix("meclear_") for n in sens])
-        ax.set_ylim(0, 1.05)
-        ax.set_title(f"MeClear sensitivity to L ({mode})")
+        ax.set_ylim(-0.02, 1.05)
+        ax.set_xlabel("MeClear permutation budget L")
+        ax.set_ylabel("share of cases")
+        n_all = sum(v.get("cases", 0) for v in scored.values())
+        ax.set_title(f"MeClear sensitivity to L ({mode}); n={n_all}, {conv} conversations", fontsize=9)
         ax.legend(fontsize=7)
     handles, labels = axes[0, 0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=max(len(labels), 1), fontsize=8, frameon=False)

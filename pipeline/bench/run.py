@@ -20,7 +20,15 @@ from pathlib import Path
 from pipeline.agents import AGENTS, AgentSpec, build_agent
 from pipeline.agents.utility import UTILITY_MODES
 from pipeline.bench.bootstrap import DEFAULT_REPLICATES
-from pipeline.bench.builder import BenchCase, BuildConfig, BuildResult, MechanismCount, build_pool, cap_cases
+from pipeline.bench.builder import (
+    BenchCase,
+    BuildConfig,
+    BuildResult,
+    CachedAgent,
+    MechanismCount,
+    build_pool,
+    cap_cases,
+)
 from pipeline.bench.faults import MECHANISMS
 from pipeline.bench.methods import DEFAULT_BUDGETS, MethodConfig, expand_methods, run_case
 from pipeline.configs import check, fingerprint
@@ -38,7 +46,7 @@ class EvalConfig:
     locomo: str
     conversations: tuple[str, ...] = ()  # sample_ids; empty = all
     max_cases: int = 0  # per mechanism, over the whole run; 0 = no cap
-    methods: tuple[str, ...] = ("meclear", "loo", "contextcite", "proxyspex", "filter")
+    methods: tuple[str, ...] = ("meclear", "loo", "contextcite", "proxyspex", "filter", "controls")
     utility: tuple[str, ...] = UTILITY_MODES
     budgets: tuple[int, ...] = DEFAULT_BUDGETS
     seed: int = 0
@@ -92,8 +100,9 @@ class EvalConfig:
 class BenchWorker:
     """Builds its agent once and its retrieval index lazily; builds cases of conversations and runs methods on cases."""
 
-    def __init__(self, config: EvalConfig):
+    def __init__(self, config: EvalConfig, progress: bool = False):
         self.config = config
+        self.progress = progress  # progress lines within a conversation's build
         self.agent = build_agent(config.agent_spec)
         self._data = None
         self._index = None
@@ -123,12 +132,17 @@ class BenchWorker:
     def build(self, conversation: str) -> tuple[str, BuildResult, float]:
         (pools, queries), index = self._load()
         t = time.perf_counter()
-        res = build_pool(self.agent, index, pools[conversation], queries, self.config.build_config)
+        res = build_pool(CachedAgent(self.agent), index, pools[conversation], queries, self.config.build_config,
+                         progress=self.progress)
         return conversation, res, time.perf_counter() - t
 
-    def run(self, cases: list[BenchCase]) -> list[tuple[BenchCase, list]]:
+    def run(self, cases: list[BenchCase]) -> tuple[list[tuple[BenchCase, list | None]], dict[str, int]]:
+        """Every method on each case ([(case, outcomes)], outcomes None for an excluded case) and the agent requests
+        this chunk sent, by phase ('methods', 'methods_filter'). No cache: the methods phase re-asks the agent."""
         c = self.config
-        return [(bc, run_case(bc, self.agent, c.methods, c.utility, c.method_config)) for bc in cases]
+        counted = CachedAgent(self.agent, cache=False, phase="methods")
+        out = [(bc, run_case(bc, counted, c.methods, c.utility, c.method_config)) for bc in cases]
+        return out, dict(counted.calls)
 
     def close(self) -> None:
         self.agent.close()
@@ -140,10 +154,14 @@ class EvalResult:
     cases: list[BenchCase]
     outcomes: list[tuple[BenchCase, list]]
     counts: dict[str, MechanismCount]
-    queries: dict[str, int]  # eligible, clean
+    queries: dict[str, int]  # eligible, checked, clean
     agent_fingerprint: str
     retrieval: str
     timings: dict[str, float]
+    excluded: dict[str, int] = field(default_factory=dict)  # per mechanism: full context answered right at method time
+    agent_calls: dict[str, int] = field(default_factory=dict)  # agent requests by phase
+    cache_hits: int = 0  # build requests answered from the build cache
+    conversations_run: int = 0
 
 
 class _LocalPool:
@@ -155,7 +173,7 @@ class _LocalPool:
     building conv-30 took 36 s with the default pools and 15.5 s with one thread. The limits are undone on close.
     """
 
-    def __init__(self, config: EvalConfig, threads: int | None = 1):
+    def __init__(self, config: EvalConfig, threads: int | None = 1, progress: bool = False):
         self._limits = self._torch_threads = None
         if threads is not None:
             try:  # threadpoolctl comes with scikit-learn (the `eval` extra)
@@ -171,7 +189,7 @@ class _LocalPool:
                 torch.set_num_threads(threads)
             except ImportError:
                 pass
-        self.worker = BenchWorker(config)
+        self.worker = BenchWorker(config, progress)
         self.n = 1
 
     def map(self, method: str, args: list):
@@ -246,7 +264,8 @@ def run_benchmark(config: EvalConfig, conversations: list[str], progress: bool =
         started = init_ray()
         pool = _RayPool(config)
     else:
-        pool = _LocalPool(config, threads=1 if config.agent == "reader" else None)  # LLMs keep their threads
+        pool = _LocalPool(config, threads=1 if config.agent == "reader" else None,  # LLMs keep their threads
+                          progress=progress)
     try:
         fp = pool.call("fingerprint")
         timings["startup_s"] = time.perf_counter() - t0
@@ -265,9 +284,17 @@ def run_benchmark(config: EvalConfig, conversations: list[str], progress: bool =
         t = time.perf_counter()
         chunks = [cases[i : i + CHUNK] for i in range(0, len(cases), CHUNK)]
         outcomes: list[tuple[BenchCase, list]] = []
+        excluded = dict.fromkeys(MECHANISMS, 0)
+        calls: dict[str, int] = {}
         bar = tqdm(total=len(cases), desc="running methods", unit="case", disable=not progress)
-        for part in pool.map("run", chunks):
-            outcomes += part
+        for part, part_calls in pool.map("run", chunks):
+            for bc, outs in part:
+                if outs is None:
+                    excluded[bc.mechanism] += 1
+                else:
+                    outcomes.append((bc, outs))
+            for k, v in part_calls.items():
+                calls[k] = calls.get(k, 0) + v
             bar.update(len(part))
         bar.close()
         timings["methods_s"] = time.perf_counter() - t
@@ -281,13 +308,19 @@ def run_benchmark(config: EvalConfig, conversations: list[str], progress: bool =
     counts = {m: MechanismCount() for m in MECHANISMS}
     for r in built.values():
         for m, c in r.counts.items():
-            for f in ("tried", "verified", "candidates", "not_retrieved", "check_failed"):
+            for f in ("tried", "verified", "candidates", "not_retrieved", "check_failed", "position_skipped"):
                 setattr(counts[m], f, getattr(counts[m], f) + getattr(c, f))
+    build_calls: dict[str, int] = {}
+    for r in built.values():
+        for k, v in r.agent_calls.items():
+            build_calls[f"build_{k}"] = build_calls.get(f"build_{k}", 0) + v
     order = {c.case_id: i for i, c in enumerate(cases)}
     outcomes.sort(key=lambda o: order[o[0].case_id])
-    queries = {"eligible": sum(r.eligible for r in built.values()), "clean": sum(r.clean for r in built.values())}
+    queries = {"eligible": sum(r.eligible for r in built.values()), "checked": sum(r.checked for r in built.values()),
+               "clean": sum(r.clean for r in built.values())}
     timings["benchmark_s"] = time.perf_counter() - t0
-    return EvalResult(config, cases, outcomes, counts, queries, fp, retrieval, timings)
+    return EvalResult(config, cases, outcomes, counts, queries, fp, retrieval, timings, excluded,
+                      {**build_calls, **calls}, sum(r.cache_hits for r in built.values()), len(conversations))
 
 
 def run_id(config: EvalConfig, source_sha256: str, agent_fp: str) -> str:

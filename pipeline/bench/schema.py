@@ -16,10 +16,12 @@ CASES = pa.schema(
         ("conversation", pa.string()),  # LoCoMo sample_id: the bootstrap cluster
         ("query_id", pa.string()),
         ("mechanism", pa.string()),  # direct | redundant | joint
-        ("method", pa.string()),  # meclear_l4 ... meclear_exact, loo, loo_threshold, contextcite, proxyspex, filter
+        ("method", pa.string()),  # meclear_l4 ... meclear_exact, loo, loo_threshold, contextcite, proxyspex, filter,
+        # position, random, oracle (controls)
         ("utility", pa.string()),  # probability | correct
         ("faults", pa.list_(pa.string())),  # M, the injected records (all inside the frozen context)
         ("ranking", pa.list_(pa.string())),  # memories the method flags as harmful, most harmful first
+        ("full_ranking", pa.list_(pa.string())),  # all K memories, most harmful first, ties by the case seed
         ("cleared", pa.list_(pa.string())),  # memories the clearance removed
         ("recovered", pa.bool_()),  # the agent answers correctly on the cleared context
         ("evaluations", pa.int64()),  # distinct coalitions the method evaluated, clearance checks included
