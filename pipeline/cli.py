@@ -50,6 +50,11 @@ def _agent_options(args: argparse.Namespace) -> dict:
             opts[key] = yaml.safe_load(value)  # numbers and booleans as such
         except yaml.YAMLError:
             raise ConfigError(f"--agent-option {safe(kv)!r}: value is not a number, boolean or plain text") from None
+    if getattr(args, "agent", None) in ("vllm", "transformers") and isinstance(opts.get("model"), str):
+        from pipeline.agents.models import resolve_model
+
+        # Here, in the driver, so a GGUF is converted once before the actors start (they then load the folder).
+        opts["model"] = resolve_model(opts["model"])
     return opts
 
 
@@ -100,7 +105,34 @@ def build_parser() -> argparse.ArgumentParser:
     from pipeline.report import cli as report_cli
 
     report_cli.add_parsers(sub)
+
+    p = sub.add_parser("probe", help="does an LLM agent's answer follow its memories? (letter vs cloze scoring)",
+                       description="Run the context-sensitivity probe under letter and cloze scoring, in process.")
+    p.add_argument("--agent", choices=("transformers", "vllm"), default="transformers")
+    p.add_argument("--model", required=True, help="model folder, .gguf file or smollm2-135m-instruct")
+    p.add_argument("--agent-option", action="append", default=[], metavar="KEY=VALUE", help="extra agent setting")
+    p.set_defaults(func=cmd_probe)
     return parser
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    from pipeline.agents import AgentSpec, build_agent
+    from pipeline.agents.probe import follow_rate, recommend
+
+    opts = _agent_options(args)
+    results = {}
+    for scoring in ("letter", "cloze"):
+        agent = build_agent(AgentSpec(args.agent, {**opts, "scoring": scoring}))
+        try:
+            results[scoring] = follow_rate(agent)
+        finally:
+            agent.close()
+        r = results[scoring]
+        print(f"  {scoring:<7} follow rate {r['follow_rate']:.3f} ({r['followed']}/{r['requests']}), "
+              f"mean P(stated) {r['stated_prob']:.3f}, items answered identically whatever the memory "
+              f"{r['blind_items']}/{r['items']}")
+    print(f"  recommended scoring: {recommend(results)}")
+    return 0
 
 
 def cmd_audit(args: argparse.Namespace) -> int:

@@ -1,7 +1,10 @@
 """TransformersAgent: the LLM agent on plain Hugging Face transformers (CPU or one GPU), no serving engine.
 
-It reads the same quantity as the vLLM agent: the next-token log-probabilities of the option letters after the answer
-cue, from one forward pass over a left-padded batch, normalised over the options. It has no prefix cache, so it
+It reads the same quantity as the vLLM agent. Letter scoring: the next-token log-probabilities of the option letters
+after the answer cue, from one forward pass over a left-padded batch, normalised over the options. Cloze scoring: the
+log-likelihood of each option's text after the prompt (summed or per-token mean, `cloze_norm`): one forward over the
+prompt fills the KV cache, which is repeated over the options, and one batched forward over the options' tokens after
+it scores them all (single-token options need no second forward). It has no prefix cache across requests, so it
 reports cached_tokens=0. Useful where vLLM is not installed and as the reference the vLLM agent is checked against.
 """
 
@@ -9,12 +12,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from pipeline.agents import llm_filter, prompts
 from pipeline.agents.base import AgentRequest, AgentResponse
-from pipeline.agents.llm_config import check_common
+from pipeline.agents.llm_config import agent_fingerprint_fields, check_common, resolved_scoring
+from pipeline.agents.models import resolve_model
 from pipeline.configs import check, fingerprint, from_mapping
 from pipeline.errors import MissingDependencyError
 
@@ -28,6 +32,8 @@ class TransformersConfig:
 
     n_samples > 0 draws that many extra answers per open question at `temperature` (seeded by `seed`);
     max_tokens bounds an open answer; max_options is the most options a multiple-choice request may have.
+    scoring: letter (next-token letter probabilities), cloze (option-text log-likelihood, normalised by `cloze_norm`:
+    sum or mean) or auto (the model's default, see `pipeline.agents.llm_config.resolved_scoring`).
     """
 
     model: str
@@ -39,6 +45,8 @@ class TransformersConfig:
     n_samples: int = 0
     temperature: float = 0.7
     seed: int = 0
+    scoring: str = "auto"
+    cloze_norm: str = "mean"
 
     def __post_init__(self) -> None:
         where = "transformers agent config"
@@ -73,11 +81,15 @@ class TransformersAgent:
         torch, transformers = _import_torch_transformers()
         self._torch = torch
         started = time.perf_counter()
-        self.tokenizer = transformers.AutoTokenizer.from_pretrained(config.model)
+        self.model_path = resolve_model(config.model)  # a no-op when the driver already resolved it
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(self.model_path)
         dtype = "auto" if config.dtype == "auto" else getattr(torch, config.dtype)
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype).to(config.device)
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype).to(config.device)
         self.model.eval()
-        self.builder = prompts.PromptBuilder(self.tokenizer, config.max_options)
+        self._fields = agent_fingerprint_fields(self.name, config, self.model_path, "letter")
+        self.scoring = resolved_scoring(config.scoring, self._fields["model"])
+        self._fields["scoring"] = self.scoring
+        self.builder = prompts.PromptBuilder(self.tokenizer, config.max_options, cloze=self.scoring == "cloze")
         pad = self.tokenizer.pad_token_id
         self._pad_id = pad if pad is not None else self.tokenizer.eos_token_id
         self._list_token_ids: list[int] | None = None  # built on the first filter call
@@ -86,8 +98,7 @@ class TransformersAgent:
 
     def fingerprint(self) -> str:
         # name first, so utility rows say which backend answered
-        return f"{self.name}-" + fingerprint({"agent": self.name, "prompt_version": prompts.PROMPT_VERSION,
-                                              **asdict(self.config)})
+        return f"{self.name}-" + fingerprint(self._fields)
 
     # -- batching -------------------------------------------------------------------------------------------------
 
@@ -134,6 +145,36 @@ class TransformersAgent:
         texts = self.tokenizer.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)
         return [texts[i * n:(i + 1) * n] for i in range(len(rows))]
 
+    def _cloze_probs(self, prompt_ids: list[int], request: AgentRequest) -> tuple[float, ...]:
+        """Option-text log-likelihoods after the prompt: the prompt runs once, its KV cache is repeated over the
+        options, and the options' tokens (right-padded) run in one batched forward after it."""
+        torch = self._torch
+        conts = self.builder.continuation_ids(request.options)
+        if not self.builder.continuations_checked:
+            self.builder.check_continuations(prompt_ids, request)
+        device = self.config.device
+        with torch.inference_mode():
+            out = self.model(input_ids=torch.tensor([prompt_ids], device=device), use_cache=True)
+            first = torch.log_softmax(out.logits[0, -1].float(), dim=-1).cpu()
+            token_lps = [[float(first[c[0]])] for c in conts]
+            width = max(len(c) for c in conts) - 1  # the last token of each option is only predicted, never fed
+            if width > 0:
+                n, plen = len(conts), len(prompt_ids)
+                cache = out.past_key_values
+                cache.batch_repeat_interleave(n)
+                ids = torch.full((n, width), self._pad_id, dtype=torch.long)
+                mask = torch.ones((n, plen + width), dtype=torch.long)
+                for i, c in enumerate(conts):
+                    ids[i, :len(c) - 1] = torch.tensor(c[:-1], dtype=torch.long)
+                    mask[i, plen + len(c) - 1:] = 0
+                positions = torch.arange(plen, plen + width).unsqueeze(0).expand(n, -1)
+                logits = self.model(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                    position_ids=positions.to(device), past_key_values=cache, use_cache=True).logits
+                lps = torch.log_softmax(logits.float(), dim=-1).cpu()
+                for i, c in enumerate(conts):
+                    token_lps[i] += [float(lps[i, j, c[j + 1]]) for j in range(len(c) - 1)]
+        return prompts.option_probs(prompts.cloze_scores(token_lps, self.config.cloze_norm))
+
     # -- the Agent contract ---------------------------------------------------------------------------------------
 
     def answer_batch(self, requests: Sequence[AgentRequest]) -> list[AgentResponse]:
@@ -149,7 +190,12 @@ class TransformersAgent:
         rows = [self.builder.answer_ids(r.question, r.options, r.memories) for r in chunk]
         results: list[tuple[tuple[float, ...], str, tuple[str, ...]]] = [((), "", ())] * len(chunk)
         mc = [i for i, r in enumerate(chunk) if r.options]
-        if mc:
+        if mc and self.scoring == "cloze":
+            for i in mc:
+                probs = self._cloze_probs(rows[i], chunk[i])
+                best = max(range(len(probs)), key=probs.__getitem__)
+                results[i] = (probs, chunk[i].options[best], ())
+        elif mc:
             logprobs = self._next_token_logprobs([rows[i] for i in mc])
             for j, i in enumerate(mc):
                 letters = self.builder.letter_ids(len(chunk[i].options))

