@@ -59,7 +59,8 @@ def test_ids_are_printed_with_control_characters_escaped(capsys):
     evil = "q\x1b]0;pwned\x07\x1b[2J"
     assert safe(evil) == "q\\x1b]0;pwned\\x07\\x1b[2J"
     clearance = {"pool_id": "p", "query_id": evil, "cleared": ["m\x1b[31m"], "baseline_utility": 0.1,
-                 "cleared_utility": 0.9, "recovered": True, "harmful": 1}
+                 "cleared_utility": 0.9, "recovered": True, "harmful": 1, "reason": None,
+                 "answer_before": "a\x1b[5m", "answer_after": "b", "gold": "b"}
     result = AuditResult("r", Path("o\x1b[1m"), 1, 1, 1, 1, 1, 3, 0, 3, {}, [clearance])
     print_summary(result, 1.0)
     out = capsys.readouterr().out
