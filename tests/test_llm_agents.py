@@ -113,6 +113,20 @@ def test_configs_reject_unknown_keys_and_bad_values() -> None:
         TransformersConfig.from_mapping({})
 
 
+
+def test_vllm_kv_cache_default_works_without_the_environment_variable() -> None:
+    """A user who never heard of VLLM_CPU_KVCACHE_SPACE gets a fixed CPU cache, not vLLM's 90%-of-RAM reservation that
+    refuses to start on a machine with other work on it; the variable and an explicit option still win."""
+    from pipeline.agents.vllm_agent import CPU_KV_CACHE_GIB, VLLMConfig
+
+    config = VLLMConfig(model="m")
+    assert config.kv_cache_bytes(on_cpu=True, environ={}) == int(CPU_KV_CACHE_GIB * 2**30)
+    assert config.kv_cache_bytes(on_cpu=True, environ={"VLLM_CPU_KVCACHE_SPACE": "1"}) is None  # vLLM reads it
+    assert config.kv_cache_bytes(on_cpu=False, environ={}) is None  # CUDA: gpu_memory_utilization decides
+    assert VLLMConfig(model="m", kv_cache_gib=0.5).kv_cache_bytes(on_cpu=False, environ={}) == 2**29
+    with pytest.raises(ConfigError, match="kv_cache_gib"):
+        VLLMConfig.from_mapping({"model": "m", "kv_cache_gib": -1})
+
 # -- transformers agent ------------------------------------------------------------------------------------------------
 
 

