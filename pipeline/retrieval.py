@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import re
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -23,37 +22,11 @@ import numpy as np
 from pipeline.embeddings import EmbeddingCache, MiniLMEncoder, embed_cached
 from pipeline.errors import ConfigError
 from pipeline.io.records import Memory, Pool, Query
+from pipeline.text import tokens
 
 log = logging.getLogger(__name__)
 
 RRF_K = 60  # the usual reciprocal-rank-fusion constant (Cormack et al., 2009)
-_WORD = re.compile(r"[a-z0-9]+(?:'[a-z]+)?")
-STOPWORDS = frozenset(
-    "a an the and or but if of to in on at by for with from as is are was were be been being do does did done "
-    "have has had i me my we our you your he him his she her it its they them their this that these those what which "
-    "who whom whose when where why how there here than then so not no can could would should will shall may might "
-    "must about into over under up down out off again just also very too s t".split()
-)
-
-
-def stem(word: str) -> str:
-    """A light suffix stripper (plural, -ing, -ed) so 'plays' meets 'play' and 'climbing' meets 'climb'."""
-    if len(word) > 5 and word.endswith("ing"):
-        return word[:-3]
-    if len(word) > 4 and word.endswith("ies"):
-        return word[:-3] + "y"
-    if len(word) > 4 and word.endswith("ed"):
-        return word[:-2]
-    if len(word) > 3 and word.endswith("s") and not word.endswith(("ss", "us")):
-        return word[:-1]
-    return word
-
-
-def tokens(text: str) -> list[str]:
-    """Lower-cased, lightly stemmed content words; possessive 's folded into the word."""
-    return [stem(w.removesuffix("'s")) for w in _WORD.findall(text.lower()) if w not in STOPWORDS]
-
-
 # BM25 scores are rounded to 1e-9 so that mathematically equal scores are exactly equal and tie in pool order whatever
 # the order their terms were summed in. The former loop summed over a `set` of query terms, whose order follows
 # Python's per-process string hashing: measured on LoCoMo conv-49, PYTHONHASHSEED=4 ranked q159 differently from

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline.agents.base import Agent
-from pipeline.agents.utility import gold_index, score
+from pipeline.agents.utility import score
+from pipeline.text import gold_index
 from pipeline.cases import Case
 
 

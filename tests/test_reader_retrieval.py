@@ -9,7 +9,8 @@ import pytest
 
 from pipeline.agents.base import AgentRequest, AgentResponse
 from pipeline.agents.reader import ReaderAgent, ReaderConfig
-from pipeline.agents.utility import score, token_f1
+from pipeline.agents.utility import score
+from pipeline.text import token_f1
 from pipeline.cli import build_parser
 from pipeline.errors import ConfigError
 from pipeline.io.records import Memory, Pool, Query

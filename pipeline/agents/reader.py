@@ -21,7 +21,7 @@ import numpy as np
 
 from pipeline.agents.base import AgentRequest, AgentResponse
 from pipeline.configs import check, fingerprint
-from pipeline.retrieval import tokens
+from pipeline.text import tokens
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from pipeline.game import harmful_ranking, make_plan, select_clearance, shapley_
 from pipeline.game.attribution import loo_effects
 from pipeline.game.clearance import clearance_coalitions
 from pipeline.game.plan import full_mask
-from pipeline.retrieval import tokens
+from pipeline.text import tokens
 
 FAMILIES = ("meclear", "loo", "contextcite", "proxyspex", "filter")
 CONTROLS = ("position", "random", "oracle")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.agents.utility import normalize_answer
+from pipeline.text import normalize_answer
 from pipeline.errors import InputError
 from pipeline.io.records import Memory, Pool, Query
 

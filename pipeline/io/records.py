@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from pipeline.agents.utility import gold_index, normalize_answer
+from pipeline.text import gold_index, normalize_answer
 from pipeline.errors import InputError
 
 log = logging.getLogger(__name__)
