@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     import yaml
 
     from pipeline.bench.run import EvalConfig, evaluate
-    from pipeline.configs import from_mapping
+    from pipeline.validation import from_mapping
     from pipeline.errors import ConfigError, MeClearError
 
     try:

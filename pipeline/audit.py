@@ -26,7 +26,6 @@ from pipeline import __version__
 from pipeline.agents import AGENTS, AgentSpec
 from pipeline.agents.utility import UTILITY_MODES
 from pipeline.cases import Case, make_cases
-from pipeline.configs import check, fingerprint
 from pipeline.executors import Executor
 from pipeline.game import clearance_coalitions, make_plan
 from pipeline.game.adaptive import DEFAULT_Z
@@ -38,6 +37,7 @@ from pipeline.reduce import CaseState, attribute, finalize
 from pipeline.retrieval import Retriever
 from pipeline.schemas import DATASETS, ERRORS, UTILITIES, UTILITY_KEY
 from pipeline.stage import ItemResult, WorkItem
+from pipeline.validation import check, fingerprint
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ import numpy as np
 
 from pipeline.agents.base import Agent
 from pipeline.agents.utility import score
-from pipeline.text import gold_index
 from pipeline.cases import Case
+from pipeline.text import gold_index
 
 
 @dataclass(frozen=True)

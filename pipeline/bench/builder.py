@@ -37,12 +37,12 @@ import numpy as np
 from pipeline.agents.base import Agent, AgentRequest, AgentResponse
 from pipeline.agents.utility import score
 from pipeline.bench.faults import MECHANISMS, STRONG_TEMPLATES, FaultSpec, content_words, fault_memories, fault_specs
-from pipeline.bench.index import PoolIndex
 from pipeline.bench.oracle import CaseOracle
+from pipeline.bench.reretrieval import PoolIndex
 from pipeline.cases import Case, case_seed
-from pipeline.configs import check
 from pipeline.game.plan import full_mask
 from pipeline.io.records import Pool, Query
+from pipeline.validation import check
 
 log = logging.getLogger(__name__)
 

@@ -31,8 +31,8 @@ from pipeline.bench.builder import (
 )
 from pipeline.bench.faults import MECHANISMS
 from pipeline.bench.methods import DEFAULT_BUDGETS, MethodConfig, expand_methods, run_case
-from pipeline.configs import check, fingerprint
 from pipeline.errors import ConfigError
+from pipeline.validation import check, fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class BenchWorker:
 
     def _load(self):
         if self._data is None:
-            from pipeline.bench.index import PoolIndex
+            from pipeline.bench.reretrieval import PoolIndex
             from pipeline.io.locomo import load_locomo
 
             pools, queries = load_locomo(self.config.locomo, conversations=list(self.config.conversations) or None,

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from pipeline.text import gold_index, normalize_answer
 from pipeline.errors import InputError
+from pipeline.text import gold_index, normalize_answer
 
 log = logging.getLogger(__name__)
 

@@ -33,12 +33,12 @@ from typing import Any, Sequence
 from pipeline.agents import prompts
 from pipeline.agents.base import AgentRequest
 from pipeline.audit import AuditConfig, _versions, run_audit
-from pipeline.configs import check
 from pipeline.errors import AgentError, ConfigError
 from pipeline.executors import Executor
 from pipeline.io.records import Pool, Query
 from pipeline.runner import InputSpec
 from pipeline.stage import ItemResult, WorkItem
+from pipeline.validation import check
 
 log = logging.getLogger(__name__)
 

@@ -17,10 +17,10 @@ from typing import Sequence
 
 import numpy as np
 
+from pipeline.errors import ConfigError
 from pipeline.io.records import Memory, Pool, Query
 from pipeline.retrieval import BM25_DECIMALS, FrozenContext, MiniLMEncoder, fuse_and_freeze
 from pipeline.text import tokens
-from pipeline.errors import ConfigError
 
 K1, B = 1.5, 0.75  # pipeline.retrieval.BM25 defaults
 
