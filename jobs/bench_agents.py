@@ -18,18 +18,7 @@ from pathlib import Path
 
 from pipeline.errors import MeClearError
 from pipeline.perf.agents import TINY_MODEL, AgentBenchConfig, format_report, run_benchmark
-
-
-def _options(pairs: list[str]) -> dict:
-    import yaml
-
-    opts = {}
-    for kv in pairs:
-        key, sep, value = kv.partition("=")
-        if not sep:
-            raise MeClearError(f"--agent-option {kv!r}: expected KEY=VALUE")
-        opts[key] = yaml.safe_load(value)  # numbers and booleans as such
-    return opts
+from pipeline.validation import key_values
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         extra = {"cache_dir": args.cache_dir} if args.cache_dir else {}
         config = AgentBenchConfig(
-            model=args.model, agent_options=_options(args.agent_option), locomo=args.locomo,
+            model=args.model, agent_options=key_values(args.agent_option, "--agent-option"), locomo=args.locomo,
             conversations=tuple(c for c in args.conversations.split(",") if c), max_queries=args.max_queries,
             top_k=args.top_k, permutations=args.permutations, batch_size=args.batch_size,
             repetitions=args.repetitions, gpus_per_actor=args.gpus_per_actor, **extra,

@@ -16,8 +16,16 @@ STOPWORDS = frozenset(
     "who whom whose when where why how there here than then so not no can could would should will shall may might "
     "must about into over under up down out off again just also very too s t".split()
 )
+# ANSI/OSC escapes, other C0/C1 controls and DEL: ids and text from input files are printed through `safe`, so a
+# crafted id cannot move the cursor, retitle the terminal or hide output.
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x00, 0x20), *range(0x7F, 0xA0))}
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCT = str.maketrans("", "", string.punctuation)
+
+
+def safe(text: object) -> str:
+    """`text` with every control character shown as a \\xNN escape (printable to any terminal or log)."""
+    return str(text).translate(_CONTROL)
 
 
 def stem(word: str) -> str:

@@ -37,18 +37,20 @@ from pipeline.errors import ConfigError
 from pipeline.game import harmful_ranking, make_plan, select_clearance, shapley_exact, shapley_permutation
 from pipeline.game.attribution import loo_effects
 from pipeline.game.clearance import clearance_coalitions
-from pipeline.game.plan import full_mask
+from pipeline.game.plan import DEFAULT_PERMUTATIONS, full_mask
+from pipeline.settings import DEFAULT_KAPPA, DEFAULT_TAU
 from pipeline.text import tokens
 
 FAMILIES = ("meclear", "loo", "contextcite", "proxyspex", "filter")
 CONTROLS = ("position", "random", "oracle")
 DEFAULT_BUDGETS = (4, 8, 16)
+DEFAULT_METHODS = ("meclear", "loo", "contextcite", "proxyspex", "filter", "controls")  # CLI words, see expand_methods
 
 
 @dataclass(frozen=True)
 class MethodConfig:
-    tau: float = 0.05
-    kappa: float = 0.05  # LOO screen tolerance; recorded, it does not change a ranking or a clearance
+    tau: float = DEFAULT_TAU
+    kappa: float = DEFAULT_KAPPA  # LOO screen tolerance; recorded, it does not change a ranking or a clearance
     contextcite_masks: int = 64
     proxyspex_masks: int = 64
     filter_threshold: float = 0.5  # relevance filter: drop memories with fewer than this share of question words
@@ -147,7 +149,7 @@ def control(name: str, k: int, ev: CachedOracle, seed: int, faults: tuple[int, .
 
 def meclear(k: int, ev: CachedOracle, budget: int | None, seed: int, tau: float) -> Outcome:
     """MeClear with L=budget forced permutations, or exact enumeration (budget None)."""
-    plan = make_plan(k, budget or 16, "exact" if budget is None else "permutation", seed=seed)
+    plan = make_plan(k, budget or DEFAULT_PERMUTATIONS, "exact" if budget is None else "permutation", seed=seed)
     util, _ = ev(plan.coalitions)
     values = np.full(1 << k, np.nan)
     values[plan.coalitions] = util
