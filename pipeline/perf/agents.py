@@ -55,8 +55,8 @@ class AgentBenchConfig:
     locomo: str | None = None
     conversations: tuple[str, ...] = ()
     max_queries: int = 0  # 0: all
-    top_k: int = 5
-    permutations: int = 16
+    top_k: int = AuditConfig.top_k
+    permutations: int = AuditConfig.permutations
     batch_size: int = 256  # coalitions per actor task, as in `meclear audit --batch-size`
     repetitions: int = 3
     gpus_per_actor: float = 0.0
