@@ -131,7 +131,7 @@ def check_top_k(top_k: object, where: str, low: int = 1) -> None:
 
 def check_dense(dense: object, where: str = "retrieval") -> None:
     if dense not in DENSE_MODES:
-        raise ConfigError(f"{where}: dense={dense!r}; allowed 'auto', 'on', 'off'")
+        raise ConfigError(f"{where}: dense={dense!r}; allowed {', '.join(map(repr, DENSE_MODES))}")
 
 
 def use_dense(dense: str) -> bool:

@@ -70,7 +70,7 @@ class RunSettings:
         check_dense(self.dense, w)
         check(self.agent in AGENTS, w, f"agent={self.agent!r}; allowed {AGENTS}")
         check(isinstance(self.agent_options, dict), w, "agent_options must be a mapping")
-        check(self.executor in EXECUTORS, w, f"executor={self.executor!r}; allowed 'ray', 'local'")
+        check(self.executor in EXECUTORS, w, f"executor={self.executor!r}; allowed {', '.join(map(repr, EXECUTORS))}")
         check(self.actors >= 0, w, f"actors={self.actors!r}; must be >= 0")
 
     @property
