@@ -108,7 +108,7 @@ class AuditConfig(RunSettings):
               and (not self.antithetic or self.adaptive_round % 2 == 0), w,
               f"adaptive_round={self.adaptive_round!r}; must be an integer >= 2 (even with antithetic)")
         check(isinstance(self.adaptive_z, (int, float)) and self.adaptive_z > 0, w, f"adaptive_z={self.adaptive_z!r}; must be > 0")
-        check(self.cpus_per_actor > 0, w, "cpus_per_actor must be > 0, gpus_per_actor >= 0")
+        check(self.cpus_per_actor > 0, w, f"cpus_per_actor={self.cpus_per_actor!r}; must be > 0")
         check(self.batch_size >= 1, w, f"batch_size={self.batch_size!r}; must be >= 1")
 
 

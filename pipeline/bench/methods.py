@@ -44,6 +44,8 @@ from pipeline.text import tokens
 FAMILIES = ("meclear", "loo", "contextcite", "proxyspex", "filter")
 CONTROLS = ("position", "random", "oracle")
 DEFAULT_BUDGETS = (4, 8, 16)
+METHOD_FAMILIES = (*FAMILIES, "loo_threshold", *CONTROLS)  # what a Method's family may be
+_ALLOWED = f"allowed {FAMILIES}, loo_threshold, meclear_exact, meclear_l<L>, controls, {', '.join(CONTROLS)}"
 DEFAULT_METHODS = ("meclear", "loo", "contextcite", "proxyspex", "filter", "controls")  # CLI words, see expand_methods
 
 
@@ -74,14 +76,10 @@ class Method:
     budget: int | None = None
 
     def __post_init__(self) -> None:
-        if self.family not in (*FAMILIES, "loo_threshold", *CONTROLS) or (
-            self.budget is not None and (self.family != "meclear" or isinstance(self.budget, bool)
-                                         or not isinstance(self.budget, int) or self.budget < 1)
-        ):
-            raise ConfigError(
-                f"methods: {self.family!r} (budget {self.budget!r}) is not a method; allowed {FAMILIES}, loo_threshold, "
-                f"meclear_exact, meclear_l<L>, controls, {', '.join(CONTROLS)}"
-            )
+        budget_ok = self.budget is None or (self.family == "meclear" and isinstance(self.budget, int)
+                                            and not isinstance(self.budget, bool) and self.budget >= 1)
+        if self.family not in METHOD_FAMILIES or not budget_ok:
+            raise ConfigError(f"methods: family {self.family!r} with budget {self.budget!r} is not a method; {_ALLOWED}")
 
     @property
     def name(self) -> str:
@@ -98,12 +96,9 @@ class Method:
         digits = name.removeprefix("meclear_l") if name.startswith("meclear_l") else ""
         if digits.isdigit() and int(digits) >= 1:
             return cls("meclear", int(digits))
-        if name != "meclear" and name in (*FAMILIES, "loo_threshold", *CONTROLS):
+        if name != "meclear" and name in METHOD_FAMILIES:
             return cls(name)
-        raise ConfigError(
-            f"methods: {name!r} is not a method; allowed {FAMILIES}, loo_threshold, meclear_exact, meclear_l<L>, "
-            f"controls, {', '.join(CONTROLS)}"
-        )
+        raise ConfigError(f"methods: {name!r} is not a method; {_ALLOWED}")
 
 
 def expand_methods(names: list[str] | tuple[str, ...], budgets: tuple[int, ...] = DEFAULT_BUDGETS) -> tuple[str, ...]:
