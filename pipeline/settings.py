@@ -48,7 +48,7 @@ def check_number(value: object, where: str, name: str, low: float = 0.0) -> None
 
 @dataclass(frozen=True, kw_only=True)
 class RunSettings:
-    """The settings the audit and the benchmark share. Subclasses call `_check_run_settings` from `__post_init__`."""
+    """The settings the audit and the benchmark share. Subclasses call `check_run_settings` from `__post_init__`."""
 
     top_k: int = DEFAULT_TOP_K
     tau: float = DEFAULT_TAU
@@ -61,7 +61,7 @@ class RunSettings:
     actors: int = 0  # 0: one per available CPU (reader) or per GPU (LLM agents with gpus_per_actor > 0)
     gpus_per_actor: float = 0.0
 
-    def _check_run_settings(self, w: str, top_k_low: int = 1) -> None:
+    def check_run_settings(self, w: str, top_k_low: int = 1) -> None:
         for name in ("seed", "actors"):
             check_integer(getattr(self, name), w, name)
         check_top_k(self.top_k, w, top_k_low)
@@ -95,7 +95,7 @@ class AuditConfig(RunSettings):
         w = "audit config"
         for name in ("top_k", "permutations", "batch_size"):  # YAML `true` is no count
             check_integer(getattr(self, name), w, name)
-        self._check_run_settings(w)
+        self.check_run_settings(w)
         check_number(self.cpus_per_actor, w, "cpus_per_actor")
         check(self.estimator != "exact" or self.top_k <= MAX_EXACT_K, w,
               f"estimator='exact' with top_k={self.top_k} needs 2^{self.top_k} = {1 << self.top_k:,} agent calls per query; "

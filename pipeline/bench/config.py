@@ -41,7 +41,7 @@ class EvalConfig(RunSettings):
         check(len(set(self.utility)) == len(self.utility), w, f"utility={self.utility!r} repeats a mode")
         check(isinstance(self.replicates, int) and self.replicates >= 1, w, f"replicates={self.replicates!r}; >= 1")
         check(isinstance(self.max_cases, int) and self.max_cases >= 0, w, f"max_cases={self.max_cases!r}; must be >= 0")
-        self._check_run_settings(w, top_k_low=2)  # fault cases need room for a redundant pair
+        self.check_run_settings(w, top_k_low=2)  # fault cases need room for a redundant pair
         _ = (self.build_config, self.method_config)  # validate both now, not on a worker later
 
     @property
