@@ -18,32 +18,22 @@ from pathlib import Path
 
 from pipeline.errors import MeClearError
 from pipeline.perf.agents import TINY_MODEL, AgentBenchConfig, format_report, run_benchmark
-
-
-def _options(pairs: list[str]) -> dict:
-    import yaml
-
-    opts = {}
-    for kv in pairs:
-        key, sep, value = kv.partition("=")
-        if not sep:
-            raise MeClearError(f"--agent-option {kv!r}: expected KEY=VALUE")
-        opts[key] = yaml.safe_load(value)  # numbers and booleans as such
-    return opts
+from pipeline.validation import key_values
 
 
 def main(argv: list[str] | None = None) -> int:
+    d = AgentBenchConfig  # its defaults (class attributes of the dataclass), declared once there
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=TINY_MODEL, help=f"model folder, or '{TINY_MODEL}' (default) for the tiny Llama")
+    p.add_argument("--model", default=d.model, help=f"model folder, or '{TINY_MODEL}' (default) for the tiny Llama")
     p.add_argument("--agent-option", action="append", default=[], metavar="KEY=VALUE", help="vLLM agent setting")
     p.add_argument("--locomo", help="LoCoMo json instead of the bundled sample pool")
     p.add_argument("--conversations", default="", help="LoCoMo sample_ids, comma separated")
-    p.add_argument("--max-queries", type=int, default=0, help="first N queries only (0: all)")
-    p.add_argument("--top-k", type=int, default=5)
-    p.add_argument("--permutations", type=int, default=16)
-    p.add_argument("--batch-size", type=int, default=256, help="coalitions per actor task")
-    p.add_argument("--repetitions", type=int, default=3)
-    p.add_argument("--gpus-per-actor", type=float, default=0.0, help="1 on a GPU machine")
+    p.add_argument("--max-queries", type=int, default=d.max_queries, help="first N queries only (0: all)")
+    p.add_argument("--top-k", type=int, default=d.top_k)
+    p.add_argument("--permutations", type=int, default=d.permutations)
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="coalitions per actor task")
+    p.add_argument("--repetitions", type=int, default=d.repetitions)
+    p.add_argument("--gpus-per-actor", type=float, default=d.gpus_per_actor, help="1 on a GPU machine")
     p.add_argument("--cache-dir", help="tiny model and compile caches (default: $TMPDIR/meclear-test-cache)")
     p.add_argument("--out", default="bench-agents.json", help="JSON report (default bench-agents.json)")
     args = p.parse_args(argv)
@@ -51,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         extra = {"cache_dir": args.cache_dir} if args.cache_dir else {}
         config = AgentBenchConfig(
-            model=args.model, agent_options=_options(args.agent_option), locomo=args.locomo,
+            model=args.model, agent_options=key_values(args.agent_option, "--agent-option"), locomo=args.locomo,
             conversations=tuple(c for c in args.conversations.split(",") if c), max_queries=args.max_queries,
             top_k=args.top_k, permutations=args.permutations, batch_size=args.batch_size,
             repetitions=args.repetitions, gpus_per_actor=args.gpus_per_actor, **extra,

@@ -47,9 +47,11 @@ def run_phase(args: argparse.Namespace, phase: str) -> dict:
 
 
 def main() -> None:
+    from pipeline.retrieval import DEFAULT_TOP_K
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--queries", type=int, default=10_000)
-    ap.add_argument("--top-k", type=int, default=5)
+    ap.add_argument("--top-k", type=int, default=DEFAULT_TOP_K)
     ap.add_argument("--dense", choices=("on", "off"), default="on")
     ap.add_argument("--executor", choices=("local", "ray"), default="local")
     ap.add_argument("--out", default="bench_scale")

@@ -1,7 +1,7 @@
 """Ray job entry point for the FI-LoCoMo benchmark. No logic here: arguments or a YAML config -> the library.
 
     ray job submit --working-dir . -- python jobs/fi_locomo.py --locomo /data/locomo10.json --out /results/fi
-    python jobs/fi_locomo.py --config fi.yaml --out /results/fi      # keys: the fields of pipeline.bench.run.EvalConfig
+    python jobs/fi_locomo.py --config fi.yaml --out /results/fi      # keys: the fields of pipeline.bench.config.EvalConfig
 
 With --config, the YAML holds EvalConfig fields (locomo, conversations, max_cases, methods, utility, budgets, seed,
 replicates, top_k, redundancy, tau, kappa, filter_threshold, dense, agent, agent_options, executor, actors,
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     import yaml
 
     from pipeline.bench.run import EvalConfig, evaluate
-    from pipeline.configs import from_mapping
+    from pipeline.validation import from_mapping
     from pipeline.errors import ConfigError, MeClearError
 
     try:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import platform
 import time
 from collections import deque
@@ -23,86 +22,21 @@ from pathlib import Path
 import numpy as np
 
 from pipeline import __version__
-from pipeline.agents import AGENTS, AgentSpec
-from pipeline.agents.utility import UTILITY_MODES
 from pipeline.cases import Case, make_cases
-from pipeline.configs import check, fingerprint
 from pipeline.executors import Executor
 from pipeline.game import clearance_coalitions, make_plan
-from pipeline.game.adaptive import DEFAULT_Z
-from pipeline.game.plan import ADAPTIVE_ROUND, ESTIMATORS, MAX_PLAYERS, popcount
+from pipeline.game.plan import popcount
 from pipeline.io import writer
 from pipeline.io.outdir import DATASET_NAMES, OutLock, check_out
 from pipeline.io.records import Pool, Query
 from pipeline.reduce import CaseState, attribute, finalize
 from pipeline.retrieval import Retriever
 from pipeline.schemas import DATASETS, ERRORS, UTILITIES, UTILITY_KEY
+from pipeline.settings import AuditConfig
 from pipeline.stage import ItemResult, WorkItem
+from pipeline.validation import fingerprint
 
 log = logging.getLogger(__name__)
-
-# Exact enumeration evaluates 2^K coalitions per query: 65,536 at K=16 (minutes per query for an LLM on a GPU). Beyond,
-# a typo would start an unbounded night; the permutation estimator covers large K.
-MAX_EXACT_K = 16
-
-
-@dataclass(frozen=True)
-class AuditConfig:
-    """Every setting of an audit. Validated at construction; `run_id` is its fingerprint with the inputs' hashes."""
-
-    top_k: int = 5
-    permutations: int = 16
-    estimator: str = "auto"
-    antithetic: bool = False
-    tau: float = 0.05
-    kappa: float = 0.05
-    seed: int = 0
-    utility: str = "probability"
-    dense: str = "auto"
-    agent: str = "reader"
-    agent_options: dict = field(default_factory=dict)
-    executor: str = "ray"
-    actors: int = 0  # 0: one per available CPU (reader) or per GPU (vllm with gpus_per_actor > 0)
-    cpus_per_actor: float = 1.0
-    gpus_per_actor: float = 0.0
-    batch_size: int = 256  # coalitions per actor task (whole cases are never split across tasks)
-    adaptive_round: int = ADAPTIVE_ROUND  # estimator "adaptive": permutations per round; `permutations` is the cap
-    adaptive_z: float = DEFAULT_Z  # estimator "adaptive": stop when |phi + tau| > z * SE for every memory
-
-    def __post_init__(self) -> None:
-        w = "audit config"
-        for name in ("top_k", "permutations", "seed", "actors", "batch_size"):  # YAML `true` is no count
-            check(not isinstance(getattr(self, name), bool), w, f"{name}={getattr(self, name)!r}; must be an integer")
-        for name in ("tau", "kappa", "cpus_per_actor", "gpus_per_actor"):
-            v = getattr(self, name)
-            check(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v), w,
-                  f"{name}={v!r}; must be a finite number")
-        check(isinstance(self.top_k, int) and 1 <= self.top_k <= MAX_PLAYERS, w, f"top_k={self.top_k!r}; allowed 1..{MAX_PLAYERS}")
-        check(self.estimator != "exact" or self.top_k <= MAX_EXACT_K, w,
-              f"estimator='exact' with top_k={self.top_k} needs 2^{self.top_k} = {1 << self.top_k:,} agent calls per query; "
-              f"exact is allowed up to top_k={MAX_EXACT_K}, use estimator 'auto' or 'permutation' above")
-        check(isinstance(self.permutations, int) and self.permutations >= 1, w, f"permutations={self.permutations!r}; must be >= 1")
-        check(self.estimator in ESTIMATORS, w, f"estimator={self.estimator!r}; allowed {ESTIMATORS}")
-        check(not self.antithetic or self.permutations % 2 == 0, w, "antithetic sampling needs an even number of permutations")
-        check(isinstance(self.tau, (int, float)) and self.tau >= 0, w, f"tau={self.tau!r}; must be >= 0")
-        check(isinstance(self.kappa, (int, float)) and self.kappa >= 0, w, f"kappa={self.kappa!r}; must be >= 0")
-        check(isinstance(self.seed, int), w, f"seed={self.seed!r}; must be an integer")
-        check(self.utility in UTILITY_MODES, w, f"utility={self.utility!r}; allowed {UTILITY_MODES}")
-        check(self.dense in ("auto", "on", "off"), w, f"dense={self.dense!r}; allowed 'auto', 'on', 'off'")
-        check(self.agent in AGENTS, w, f"agent={self.agent!r}; allowed {AGENTS}")
-        check(isinstance(self.agent_options, dict), w, "agent_options must be a mapping")
-        check(self.executor in ("ray", "local"), w, f"executor={self.executor!r}; allowed 'ray', 'local'")
-        check(isinstance(self.actors, int) and self.actors >= 0, w, f"actors={self.actors!r}; must be >= 0")
-        check(isinstance(self.adaptive_round, int) and self.adaptive_round >= 2
-              and (not self.antithetic or self.adaptive_round % 2 == 0), w,
-              f"adaptive_round={self.adaptive_round!r}; must be an integer >= 2 (even with antithetic)")
-        check(isinstance(self.adaptive_z, (int, float)) and self.adaptive_z > 0, w, f"adaptive_z={self.adaptive_z!r}; must be > 0")
-        check(self.cpus_per_actor > 0 and self.gpus_per_actor >= 0, w, "cpus_per_actor must be > 0, gpus_per_actor >= 0")
-        check(isinstance(self.batch_size, int) and self.batch_size >= 1, w, f"batch_size={self.batch_size!r}; must be >= 1")
-
-    @property
-    def agent_spec(self) -> AgentSpec:
-        return AgentSpec(self.agent, dict(self.agent_options))
 
 
 @dataclass

@@ -11,45 +11,34 @@ from pathlib import Path
 
 from pipeline.agents import AGENTS
 from pipeline.agents.utility import UTILITY_MODES
-from pipeline.errors import EXIT_CASE_ERRORS, EXIT_INTERRUPTED, ConfigError, MeClearError
-
-# ANSI/OSC escapes, other C0/C1 controls and DEL: ids and text from input files are printed through `safe`, so a
-# crafted id cannot move the cursor, retitle the terminal or hide output.
-_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x00, 0x20), *range(0x7F, 0xA0))}
-
-
-def safe(text: object) -> str:
-    """`text` with every control character shown as a \\xNN escape (printable to any terminal or log)."""
-    return str(text).translate(_CONTROL)
-
+from pipeline.errors import EXIT_CASE_ERRORS, EXIT_INTERRUPTED, MeClearError
+from pipeline.game.plan import ESTIMATORS
+from pipeline.retrieval import DENSE_MODES
+from pipeline.settings import EXECUTORS
+from pipeline.text import safe
+from pipeline.validation import key_values
 
 def _add_agent_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--agent", choices=AGENTS, default="reader", help="agent whose answers define v(S)")
+    from pipeline.settings import RunSettings
+
+    d = RunSettings()  # defaults are declared once, on the settings dataclasses
+    p.add_argument("--agent", choices=AGENTS, default=d.agent, help="agent whose answers define v(S)")
     p.add_argument("--model", help="model path or hub name for --agent vllm/transformers")
     p.add_argument("--agent-option", action="append", default=[], metavar="KEY=VALUE",
                    help="extra agent setting, e.g. dtype=bfloat16 or max_model_len=4096 (repeatable)")
-    p.add_argument("--executor", choices=("ray", "local"), default="ray", help="Ray actor pool or in process")
-    p.add_argument("--actors", type=int, default=0, help="agent actors (0: one per free CPU, or per GPU for LLMs)")
-    p.add_argument("--gpus-per-actor", type=float, default=0.0, help="GPUs per agent actor (0: CPU only)")
-    p.add_argument("--seed", type=int, default=0, help="seed of permutation sampling and case order")
+    p.add_argument("--executor", choices=EXECUTORS, default=d.executor, help="Ray actor pool or in process")
+    p.add_argument("--actors", type=int, default=d.actors, help="agent actors (0: one per free CPU, or per GPU for LLMs)")
+    p.add_argument("--gpus-per-actor", type=float, default=d.gpus_per_actor, help="GPUs per agent actor (0: CPU only)")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of permutation sampling and case order")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress output (on a non-terminal, progress is a plain line every 30 s)")
 
 
 def _agent_options(args: argparse.Namespace) -> dict:
-    import yaml
-
     opts = {}
     if args.model:
         opts["model"] = args.model
-    for kv in args.agent_option:
-        key, sep, value = kv.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--agent-option {safe(kv)!r}: expected KEY=VALUE")
-        try:
-            opts[key] = yaml.safe_load(value)  # numbers and booleans as such
-        except yaml.YAMLError:
-            raise ConfigError(f"--agent-option {safe(kv)!r}: value is not a number, boolean or plain text") from None
+    opts.update(key_values(args.agent_option, "--agent-option"))
     if getattr(args, "agent", None) in ("vllm", "transformers") and isinstance(opts.get("model"), str):
         from pipeline.agents.models import resolve_model
 
@@ -59,6 +48,10 @@ def _agent_options(args: argparse.Namespace) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from pipeline.runner import InputSpec
+    from pipeline.settings import AuditConfig
+
+    d, i = AuditConfig(), InputSpec()  # defaults are declared once, on the settings dataclasses
     parser = argparse.ArgumentParser(prog="meclear", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -75,27 +68,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mem0 export (JSON list / {results: [...]} / JSONL; user_id = pool), with --queries")
     a.add_argument("--locomo", help="LoCoMo json file (e.g. locomo10.json) instead of memories/queries")
     a.add_argument("--conversations", default="", help="LoCoMo sample_ids to keep, comma separated")
-    a.add_argument("--locomo-options", type=int, default=4, help="options per LoCoMo query (0: open answers)")
-    a.add_argument("--max-queries", type=int, default=0, help="audit only the first N queries (0: all)")
-    a.add_argument("--max-memory-chars", type=int, default=100_000,
+    a.add_argument("--locomo-options", type=int, default=i.locomo_options, help="options per LoCoMo query (0: open answers)")
+    a.add_argument("--max-queries", type=int, default=i.max_queries, help="audit only the first N queries (0: all)")
+    a.add_argument("--max-memory-chars", type=int, default=i.max_memory_chars,
                    help="longest memory text accepted; longer ones are input errors")
     a.add_argument("--out", default="meclear-out/audit",
                    help="run folder; a rerun into it resumes (locked while a run writes it)")
     a.add_argument("--reuse", action="append", default=[], metavar="PREVIOUS_OUT",
                    help="earlier run folder whose utilities are reused where their key is unchanged (repeatable)")
-    a.add_argument("--top-k", type=int, default=5, help="retrieval budget K (players per case)")
-    a.add_argument("--permutations", type=int, default=16, help="permutation budget L")
-    a.add_argument("--estimator", choices=("auto", "exact", "permutation", "adaptive"), default="auto",
+    a.add_argument("--top-k", type=int, default=d.top_k, help="retrieval budget K (players per case)")
+    a.add_argument("--permutations", type=int, default=d.permutations, help="permutation budget L")
+    a.add_argument("--estimator", choices=ESTIMATORS, default=d.estimator,
                    help="Shapley estimator (auto: exact for small K); adaptive: permutations in rounds until every Shapley value is separated from -tau "
                         "(|phi+tau| > z*SE), at most --permutations")
-    a.add_argument("--adaptive-round", type=int, default=8, help="adaptive: permutations per round (default 8)")
-    a.add_argument("--adaptive-z", type=float, default=1.96, help="adaptive: z of the confidence bound (default 1.96)")
-    a.add_argument("--antithetic", action="store_true", help="antithetic permutation pairs")
-    a.add_argument("--tau", type=float, default=0.05, help="harm tolerance: harmful when shapley < -tau")
-    a.add_argument("--kappa", type=float, default=0.05, help="LOO screen: |loo| <= kappa is inconclusive")
-    a.add_argument("--utility", choices=UTILITY_MODES, default="probability", help="utility v(S) of a coalition")
-    a.add_argument("--dense", choices=("auto", "on", "off"), default="auto", help="MiniLM dense retrieval")
-    a.add_argument("--batch-size", type=int, default=256, help="coalitions per actor task")
+    a.add_argument("--adaptive-round", type=int, default=d.adaptive_round, help="adaptive: permutations per round")
+    a.add_argument("--adaptive-z", type=float, default=d.adaptive_z, help="adaptive: z of the confidence bound")
+    a.add_argument("--antithetic", action="store_true", default=d.antithetic, help="antithetic permutation pairs")
+    a.add_argument("--tau", type=float, default=d.tau, help="harm tolerance: harmful when shapley < -tau")
+    a.add_argument("--kappa", type=float, default=d.kappa, help="LOO screen: |loo| <= kappa is inconclusive")
+    a.add_argument("--utility", choices=UTILITY_MODES, default=d.utility, help="utility v(S) of a coalition")
+    a.add_argument("--dense", choices=DENSE_MODES, default=d.dense, help="MiniLM dense retrieval")
+    a.add_argument("--batch-size", type=int, default=d.batch_size, help="coalitions per actor task")
     _add_agent_args(a)
     a.set_defaults(func=cmd_audit)
 
@@ -136,8 +129,8 @@ def cmd_probe(args: argparse.Namespace) -> int:
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
-    from pipeline.audit import AuditConfig
     from pipeline.runner import InputSpec, audit
+    from pipeline.settings import AuditConfig
 
     inputs = InputSpec(
         memories=args.memories, queries=args.queries, locomo=args.locomo,
@@ -152,7 +145,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
         adaptive_round=args.adaptive_round, adaptive_z=args.adaptive_z,
     )
     what = "the bundled sample pool" if inputs.is_sample else (args.locomo or ", ".join(args.memories or args.mem0))
-    print(f"meclear audit: {safe(what)}; agent={args.agent}, K={args.top_k}, L={args.permutations}, utility={args.utility}")
+    print(f"meclear audit: {safe(what)}; agent={config.agent}, K={config.top_k}, L={config.permutations}, "
+          f"utility={config.utility}")
     t = time.perf_counter()
     result = audit(inputs, config, args.out, progress=not args.no_progress, reuse=args.reuse)
     wall = time.perf_counter() - t

@@ -25,6 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
+from pipeline.cache import cache_root
 from pipeline.errors import MissingDependencyError
 
 log = logging.getLogger(__name__)
@@ -32,10 +33,6 @@ log = logging.getLogger(__name__)
 DIM = 384  # all-MiniLM-L6-v2
 SHARD_TEXTS = 8192  # texts per cache shard (12 MiB of float32 vectors)
 MAX_LENGTH = 256  # tokens; longer texts are truncated (part of the model id, since it changes the vectors)
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("MECLEAR_CACHE") or Path.home() / ".cache" / "meclear")
 
 
 def text_key(text: str) -> bytes:

@@ -8,10 +8,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from pipeline.agents.utility import UTILITY_MODES
 from pipeline.errors import ConfigError
-
-DEFAULT_METHODS = "meclear,loo,contextcite,proxyspex,filter,controls"
+from pipeline.retrieval import DENSE_MODES
+from pipeline.settings import field_default
 
 
 def _csv(value: str) -> list[str]:
@@ -26,6 +25,11 @@ def _ints(flag: str, value: str) -> tuple[int, ...]:
 
 
 def add_parser(sub, add_agent_args, agent_options) -> None:
+    from pipeline.bench.config import EvalConfig
+
+    def d(name: str):  # defaults are declared once, on EvalConfig
+        return field_default(EvalConfig, name)
+
     e = sub.add_parser(
         "eval", help="run the FI-LoCoMo benchmark (fault-injected LoCoMo) with bootstrap intervals",
         description="FI-LoCoMo: inject direct, redundant and joint faults into LoCoMo pools, verify them causally under "
@@ -35,24 +39,25 @@ def add_parser(sub, add_agent_args, agent_options) -> None:
                     "shard over Ray actors.")
     e.add_argument("--locomo", required=True, help="LoCoMo json (e.g. locomo10.json); read only")
     e.add_argument("--out", required=True, help="output folder")
-    e.add_argument("--methods", default=DEFAULT_METHODS,
-                   help=f"comma list (default {DEFAULT_METHODS}); 'meclear' = meclear_l<L> for each budget + "
+    e.add_argument("--methods", default=",".join(d("methods")),
+                   help="comma list (default %(default)s); 'meclear' = meclear_l<L> for each budget + "
                         "meclear_exact, 'loo' = loo + loo_threshold, 'controls' = position + random + oracle; "
                         "single names like meclear_l8 or position also work")
-    e.add_argument("--utility", default=",".join(UTILITY_MODES), help="utility modes, comma list (default both)")
+    e.add_argument("--utility", default=",".join(d("utility")), help="utility modes, comma list (default %(default)s)")
     e.add_argument("--conversations", default="", help="LoCoMo sample_ids to use, comma separated (default all)")
-    e.add_argument("--max-cases", type=int, default=0,
+    e.add_argument("--max-cases", type=int, default=d("max_cases"),
                    help="keep at most N cases PER MECHANISM over the whole run, in file order (0: all)")
-    e.add_argument("--replicates", type=int, default=2000, help="bootstrap replicates (default 2000)")
-    e.add_argument("--permutation-budgets", default="4,8,16", help="MeClear permutation budgets L (default 4,8,16)")
-    e.add_argument("--redundancy", type=int, default=2, help="fault records per redundant conflict, r >= 2")
-    e.add_argument("--top-k", type=int, default=5, help="retrieval budget K (default 5)")
-    e.add_argument("--tau", type=float, default=0.05, help="harm tolerance tau")
-    e.add_argument("--kappa", type=float, default=0.05, help="LOO screen tolerance kappa")
-    e.add_argument("--filter-threshold", type=float, default=0.5,
+    e.add_argument("--replicates", type=int, default=d("replicates"), help="bootstrap replicates (default %(default)s)")
+    e.add_argument("--permutation-budgets", default=",".join(map(str, d("budgets"))),
+                   help="MeClear permutation budgets L (default %(default)s)")
+    e.add_argument("--redundancy", type=int, default=d("redundancy"), help="fault records per redundant conflict, r >= 2")
+    e.add_argument("--top-k", type=int, default=d("top_k"), help="retrieval budget K (default %(default)s)")
+    e.add_argument("--tau", type=float, default=d("tau"), help="harm tolerance tau")
+    e.add_argument("--kappa", type=float, default=d("kappa"), help="LOO screen tolerance kappa")
+    e.add_argument("--filter-threshold", type=float, default=d("filter_threshold"),
                    help="relevance filter (agents without drop_memories): drop memories sharing fewer than this "
                         "fraction of the question's content words")
-    e.add_argument("--dense", choices=("auto", "on", "off"), default="auto", help="MiniLM dense retrieval")
+    e.add_argument("--dense", choices=DENSE_MODES, default=d("dense"), help="MiniLM dense retrieval")
     add_agent_args(e)
     # In process by default: on 2 vCPUs one process with single-threaded torch/BLAS was measured fastest (3 LoCoMo
     # conversations: 148 s local, 188 s on 2 Ray actors, 214 s local with default thread pools). --executor ray shards
@@ -61,11 +66,11 @@ def add_parser(sub, add_agent_args, agent_options) -> None:
 
 
 def config_from_args(args: argparse.Namespace, agent_options) -> "EvalConfig":  # noqa: F821
-    from pipeline.bench.run import EvalConfig
+    from pipeline.bench.config import EvalConfig
 
     if args.max_cases < 0:
         raise ConfigError(f"--max-cases {args.max_cases}: must be >= 0")
-    if getattr(args, "gpus_per_actor", 0.0) < 0:
+    if args.gpus_per_actor < 0:
         raise ConfigError(f"--gpus-per-actor {args.gpus_per_actor}: must be >= 0")
     return EvalConfig(
         locomo=args.locomo, conversations=tuple(_csv(args.conversations)), max_cases=args.max_cases,
@@ -73,7 +78,7 @@ def config_from_args(args: argparse.Namespace, agent_options) -> "EvalConfig":  
         budgets=_ints("--permutation-budgets", args.permutation_budgets), seed=args.seed, replicates=args.replicates,
         top_k=args.top_k, redundancy=args.redundancy, tau=args.tau, kappa=args.kappa,
         filter_threshold=args.filter_threshold, dense=args.dense, agent=args.agent, agent_options=agent_options(args),
-        executor=args.executor, actors=args.actors, gpus_per_actor=getattr(args, "gpus_per_actor", 0.0),
+        executor=args.executor, actors=args.actors, gpus_per_actor=args.gpus_per_actor,
     )
 
 

@@ -8,10 +8,10 @@ BM25 alone otherwise.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
-import re
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -22,38 +22,15 @@ import numpy as np
 
 from pipeline.embeddings import EmbeddingCache, MiniLMEncoder, embed_cached
 from pipeline.errors import ConfigError
+from pipeline.game.plan import MAX_PLAYERS
 from pipeline.io.records import Memory, Pool, Query
+from pipeline.text import tokens
 
 log = logging.getLogger(__name__)
 
+DEFAULT_TOP_K = 5  # the retrieval budget K: memories frozen per query, the players of each case
+DENSE_MODES = ("auto", "on", "off")  # dense retrieval: MiniLM when installed, always (an error without it), never
 RRF_K = 60  # the usual reciprocal-rank-fusion constant (Cormack et al., 2009)
-_WORD = re.compile(r"[a-z0-9]+(?:'[a-z]+)?")
-STOPWORDS = frozenset(
-    "a an the and or but if of to in on at by for with from as is are was were be been being do does did done "
-    "have has had i me my we our you your he him his she her it its they them their this that these those what which "
-    "who whom whose when where why how there here than then so not no can could would should will shall may might "
-    "must about into over under up down out off again just also very too s t".split()
-)
-
-
-def stem(word: str) -> str:
-    """A light suffix stripper (plural, -ing, -ed) so 'plays' meets 'play' and 'climbing' meets 'climb'."""
-    if len(word) > 5 and word.endswith("ing"):
-        return word[:-3]
-    if len(word) > 4 and word.endswith("ies"):
-        return word[:-3] + "y"
-    if len(word) > 4 and word.endswith("ed"):
-        return word[:-2]
-    if len(word) > 3 and word.endswith("s") and not word.endswith(("ss", "us")):
-        return word[:-1]
-    return word
-
-
-def tokens(text: str) -> list[str]:
-    """Lower-cased, lightly stemmed content words; possessive 's folded into the word."""
-    return [stem(w.removesuffix("'s")) for w in _WORD.findall(text.lower()) if w not in STOPWORDS]
-
-
 # BM25 scores are rounded to 1e-9 so that mathematically equal scores are exactly equal and tie in pool order whatever
 # the order their terms were summed in. The former loop summed over a `set` of query terms, whose order follows
 # Python's per-process string hashing: measured on LoCoMo conv-49, PYTHONHASHSEED=4 ranked q159 differently from
@@ -69,23 +46,41 @@ class BM25:
     the sum of W's columns for its distinct terms: one sparse slice per query instead of a Python loop over the pool
     (same formula and terms as the former loop; the terms are summed in vocabulary order, so the scores do not depend
     on Python's per-process string hashing, which ordered the former loop's sum over a `set`; see BM25_DECIMALS).
+    `extended(docs)` is the index of the pool with documents appended, tokenising only those (the benchmark's
+    re-retrieval with injected records); it equals `BM25(pool + docs)`.
     """
 
-    def __init__(self, docs: Sequence[str], k1: float = 1.5, b: float = 0.75):
+    def __init__(self, docs: Sequence[str] = (), k1: float = 1.5, b: float = 0.75):
+        self.k1, self.b = k1, b
+        self.vocab: dict[str, int] = {}
+        self.n_docs = 0
+        self._rows, self._cols = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        self._freqs = np.zeros(0)
+        self._append(docs)
+
+    def extended(self, docs: Sequence[str]) -> "BM25":
+        """BM25 over this index's documents followed by `docs`; this index is left as it is."""
+        if not docs:
+            return self
+        out = copy.copy(self)
+        out.vocab = dict(self.vocab)
+        out._append(docs)
+        return out
+
+    def _append(self, docs: Sequence[str]) -> None:
         from scipy import sparse
 
-        self.k1, self.b = k1, b
-        tfs = [Counter(tokens(d)) for d in docs]
-        self.vocab: dict[str, int] = {}
         rows, cols, freqs = [], [], []
-        for d, tf in enumerate(tfs):
-            for t, f in tf.items():
+        for d, doc in enumerate(docs, start=self.n_docs):
+            for t, f in Counter(tokens(doc)).items():
                 rows.append(d)
                 cols.append(self.vocab.setdefault(t, len(self.vocab)))
                 freqs.append(f)
-        n = len(docs)
-        rows_a, cols_a = np.array(rows, dtype=np.int64), np.array(cols, dtype=np.int64)
-        f = np.array(freqs, dtype=float)
+        self.n_docs += len(docs)
+        self._rows = np.concatenate([self._rows, np.array(rows, dtype=np.int64)])
+        self._cols = np.concatenate([self._cols, np.array(cols, dtype=np.int64)])
+        self._freqs = np.concatenate([self._freqs, np.array(freqs, dtype=float)])
+        n, k1, b, rows_a, cols_a, f = self.n_docs, self.k1, self.b, self._rows, self._cols, self._freqs
         self.lengths = np.bincount(rows_a, weights=f, minlength=n) if n else np.zeros(0)
         self.avg = float(self.lengths.mean()) if n else 0.0
         df = np.bincount(cols_a, minlength=len(self.vocab)).astype(float)
@@ -93,7 +88,6 @@ class BM25:
         norm = k1 * (1 - b + b * self.lengths / max(self.avg, 1e-9))
         w = self.idf_vec[cols_a] * f * (k1 + 1) / (f + norm[rows_a]) if len(f) else f
         self.matrix = sparse.csc_matrix((w, (rows_a, cols_a)), shape=(n, len(self.vocab)))
-        self.n_docs = n
 
     @property
     def idf(self) -> dict[str, float]:
@@ -127,6 +121,28 @@ class FrozenContext:
     @property
     def k(self) -> int:
         return len(self.memory_ids)
+
+
+def check_top_k(top_k: object, where: str, low: int = 1) -> None:
+    """The one validity rule of K: an integer from `low` to MAX_PLAYERS (the game core's limit)."""
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not low <= top_k <= MAX_PLAYERS:
+        raise ConfigError(f"{where}: top_k={top_k!r}; allowed {low}..{MAX_PLAYERS}")
+
+
+def check_dense(dense: object, where: str = "retrieval") -> None:
+    if dense not in DENSE_MODES:
+        raise ConfigError(f"{where}: dense={dense!r}; allowed {', '.join(map(repr, DENSE_MODES))}")
+
+
+def use_dense(dense: str) -> bool:
+    """Whether dense mode `dense` retrieves with MiniLM: 'on' always, 'auto' when it is installed, 'off' never."""
+    check_dense(dense)
+    return dense == "on" or (dense == "auto" and MiniLMEncoder.available())
+
+
+def retrieval_mode(dense: bool) -> str:
+    """The retrieval mode recorded with the results."""
+    return "bm25+minilm" if dense else "bm25"
 
 
 def context_hash(query: Query, memory_ids: Sequence[str], texts: Sequence[str]) -> str:
@@ -179,15 +195,13 @@ class Retriever:
     embeds without reading or writing the cache. After `freeze_all`, `stats` says what was embedded and reused.
     """
 
-    def __init__(self, pools: dict[str, Pool], top_k: int = 5, dense: str = "auto",
+    def __init__(self, pools: dict[str, Pool], top_k: int = DEFAULT_TOP_K, dense: str = "auto",
                  cache_dir: str | Path | None = None, cache: bool = True, progress: bool = False):
-        if dense not in ("auto", "on", "off"):
-            raise ConfigError(f"retrieval: dense={dense!r}; allowed 'auto', 'on', 'off'")
+        check_top_k(top_k, "retrieval")
         self.pools, self.top_k, self.progress = pools, top_k, progress
-        use_dense = dense == "on" or (dense == "auto" and MiniLMEncoder.available())
-        self.encoder = MiniLMEncoder() if use_dense else None
+        self.encoder = MiniLMEncoder() if use_dense(dense) else None
         self.cache = EmbeddingCache(self.encoder.model_id, cache_dir) if (self.encoder and cache) else None
-        self.mode = "bm25+minilm" if self.encoder else "bm25"
+        self.mode = retrieval_mode(self.encoder is not None)
         log.info("retrieval: %s, K=%d", self.mode, top_k)
         self._bm25: dict[str, BM25] = {}
         self._emb: dict[str, np.ndarray] = {}

@@ -13,12 +13,12 @@ from importlib import resources
 from pathlib import Path
 
 from pipeline.audit import AuditConfig, AuditResult, run_audit
-from pipeline.configs import check, from_mapping
 from pipeline.errors import AgentStartError, ConfigError, MeClearError, OutputError
-from pipeline.io.outdir import OutLock, check_out
 from pipeline.io.loaders import input_files, load_pools, load_queries
 from pipeline.io.locomo import load_locomo
+from pipeline.io.outdir import OutLock, check_out
 from pipeline.io.records import MAX_MEMORY_CHARS, Pool, Query
+from pipeline.validation import check, from_mapping
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline.agents.base import Agent
-from pipeline.agents.utility import gold_index, score
+from pipeline.agents.utility import score
 from pipeline.cases import Case
+from pipeline.text import gold_index
 
 
 @dataclass(frozen=True)

@@ -172,9 +172,9 @@ def test_relevance_filter_drops_below_threshold_with_one_check():
     relevance = np.array([0.9, 0.2, 0.5, 0.1, 0.7])
     oracle = CountingOracle(k, lambda x: 1.0 - 0.5 * x[:, 3], correct=lambda x: x[:, 3] == 0)
     res = relevance_filter(relevance, threshold=0.3, evaluate=oracle)
-    assert res.extras["cleared"] == (3, 1)  # ascending relevance
+    assert res.cleared == (3, 1)  # ascending relevance
     assert oracle.asked == [0b10101] and res.evaluations == 1
-    assert res.extras["recovered"] is True
+    assert res.recovered is True
     assert tuple(harmful_ranking(res.attribution, tau=0.0)) == (3, 1)
 
 

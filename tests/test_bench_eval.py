@@ -16,9 +16,9 @@ from pipeline.agents.reader import ReaderAgent
 from pipeline.audit import sha256_file
 from pipeline.bench.builder import BuildConfig, build_pool, check_masks, passes, verify
 from pipeline.bench.faults import MECHANISMS
-from pipeline.bench.index import PoolIndex
-from pipeline.bench.metrics import METRICS
 from pipeline.bench.methods import expand_methods
+from pipeline.bench.metrics import METRICS
+from pipeline.bench.reretrieval import PoolIndex
 from pipeline.cli import main
 from pipeline.errors import ConfigError
 from pipeline.io.locomo import load_locomo

@@ -16,7 +16,8 @@ from data_paths import LOCOMO, REPO
 from pipeline.embeddings import EmbeddingCache, MiniLMEncoder, embed_cached
 from pipeline.io.loaders import load_pools, load_queries
 from pipeline.io.records import Memory, Pool
-from pipeline.retrieval import BM25, Retriever, _ranks, tokens
+from pipeline.retrieval import BM25, Retriever, _ranks
+from pipeline.text import tokens
 
 SAMPLE = REPO / "pipeline" / "data" / "sample"
 needs_minilm = pytest.mark.skipif(not MiniLMEncoder.available(), reason="dense extra not installed")

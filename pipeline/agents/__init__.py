@@ -4,8 +4,8 @@ heavy engines only for the agent asked for)."""
 from __future__ import annotations
 
 from pipeline.agents.base import Agent, AgentRequest, AgentResponse, AgentSpec
-from pipeline.configs import from_mapping
 from pipeline.errors import ConfigError
+from pipeline.validation import from_mapping
 
 AGENTS = ("reader", "vllm", "transformers")
 

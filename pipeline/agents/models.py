@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pipeline.cache import cache_root
 from pipeline.errors import AgentError, MissingDependencyError
 
 log = logging.getLogger(__name__)
@@ -39,11 +40,6 @@ MARKER = "meclear-converted.json"
 CHECK_PROMPT = "Question: Where did Ana move?\nAnswer: Ana moved to Valencia."
 LOGIT_TOLERANCE = 1e-4  # float32 saved and reloaded: the logits are bit-identical in practice; allow rounding noise
 DEFAULT_MAX_LEN = 4096
-
-
-def cache_root() -> Path:
-    """The user cache folder: $MECLEAR_CACHE, else ~/.cache/meclear."""
-    return Path(os.environ.get("MECLEAR_CACHE") or Path.home() / ".cache" / "meclear")
 
 
 def smollm2_gguf() -> Path:

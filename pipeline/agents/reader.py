@@ -20,8 +20,8 @@ from typing import Sequence
 import numpy as np
 
 from pipeline.agents.base import AgentRequest, AgentResponse
-from pipeline.configs import check, fingerprint
-from pipeline.retrieval import tokens
+from pipeline.text import tokens
+from pipeline.validation import check, fingerprint
 
 
 @dataclass(frozen=True)

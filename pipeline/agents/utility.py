@@ -11,50 +11,12 @@ a tie leaves the greedy answer to chance, and we do not count chance as knowing 
 
 from __future__ import annotations
 
-import re
-import string
-from collections import Counter
 from typing import Sequence
 
 from pipeline.agents.base import AgentResponse
+from pipeline.text import exact_match, gold_index, token_f1
 
 UTILITY_MODES = ("probability", "correct")
-
-_ARTICLES = re.compile(r"\b(a|an|the)\b")
-_PUNCT = str.maketrans("", "", string.punctuation)
-
-
-def normalize_answer(text: str) -> str:
-    """Lower-case, drop punctuation and articles, collapse whitespace (the usual QA answer normalisation)."""
-    text = str(text).lower().translate(_PUNCT)
-    return " ".join(_ARTICLES.sub(" ", text).split())
-
-
-def token_f1(prediction: str, gold: str) -> float:
-    pred, ref = normalize_answer(prediction).split(), normalize_answer(gold).split()
-    if not pred or not ref:
-        return float(pred == ref)
-    common = sum((Counter(pred) & Counter(ref)).values())
-    if common == 0:
-        return 0.0
-    precision, recall = common / len(pred), common / len(ref)
-    return 2 * precision * recall / (precision + recall)
-
-
-def exact_match(prediction: str, gold: str) -> bool:
-    return normalize_answer(prediction) == normalize_answer(gold)
-
-
-def gold_index(options: Sequence[str], gold: str) -> int:
-    """Index of the gold answer among the options (exact text first, then normalised); -1 if absent."""
-    for i, opt in enumerate(options):
-        if opt == gold:
-            return i
-    norm = normalize_answer(gold)
-    for i, opt in enumerate(options):
-        if normalize_answer(opt) == norm:
-            return i
-    return -1
 
 
 def score(response: AgentResponse, options: Sequence[str], gold: str, mode: str) -> tuple[float, bool]:

@@ -44,7 +44,16 @@ class BaselineResult:
     name: str
     attribution: np.ndarray  # (K,) float64, negative = harmful
     evaluations: int  # distinct coalitions evaluated
-    extras: dict[str, object] = field(default_factory=dict)
+    extras: dict[str, object] = field(default_factory=dict)  # diagnostics of the estimator (masks, fits), not read
+
+
+@dataclass(frozen=True)
+class FilterResult(BaselineResult):
+    """A filter's result: besides its attribution, what it removed and whether that recovered the answer."""
+
+    cleared: tuple[int, ...] = ()  # positions removed, in the order the filter ranks them
+    recovered: bool = False
+    cleared_utility: float = float("nan")
 
 
 class CachedOracle:
@@ -154,12 +163,12 @@ def context_cite(
 
 def relevance_filter(
     relevance: np.ndarray, threshold: float, evaluate: Oracle
-) -> BaselineResult:
+) -> FilterResult:
     """The direct filter: drop every memory whose retrieval relevance is below `threshold`, in one step.
 
     Attribution is relevance - threshold, so the harmful set {attribution < 0} is exactly the dropped set and
     `harmful_ranking(attribution, tau=0)` lists it by ascending relevance. No attribution calls are spent; the one
-    evaluation is the final check of the filtered context (extras: cleared positions, recovered, utility). Unlike
+    evaluation is the final check of the filtered context (`cleared`, `recovered`, `cleared_utility`). Unlike
     MeClear's nested search, the filter does not try smaller removals: it keeps whatever the threshold gives.
     """
     rel = np.asarray(relevance, dtype=np.float64)
@@ -172,11 +181,14 @@ def relevance_filter(
     cleared = tuple(int(i) for i in order if attribution[i] < 0)
     kept = full_mask(k) & ~sum(1 << i for i in cleared)
     util, ok = oracle(np.array([kept], dtype=np.int64))
-    return BaselineResult(
+    return FilterResult(
         "relevance_filter",
         attribution,
         oracle.evaluations,
-        {"cleared": cleared, "recovered": bool(ok[0]), "cleared_utility": float(util[0]), "threshold": threshold},
+        {"threshold": threshold},
+        cleared=cleared,
+        recovered=bool(ok[0]),
+        cleared_utility=float(util[0]),
     )
 
 

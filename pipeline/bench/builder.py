@@ -37,12 +37,13 @@ import numpy as np
 from pipeline.agents.base import Agent, AgentRequest, AgentResponse
 from pipeline.agents.utility import score
 from pipeline.bench.faults import MECHANISMS, STRONG_TEMPLATES, FaultSpec, content_words, fault_memories, fault_specs
-from pipeline.bench.index import PoolIndex
 from pipeline.bench.oracle import CaseOracle
+from pipeline.bench.reretrieval import PoolIndex
 from pipeline.cases import Case, case_seed
-from pipeline.configs import check
 from pipeline.game.plan import full_mask
 from pipeline.io.records import Pool, Query
+from pipeline.retrieval import DEFAULT_TOP_K, check_top_k
+from pipeline.validation import check
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +100,7 @@ class CachedAgent:
 class BuildConfig:
     """How cases are built. max_cases caps the kept cases of each mechanism over the whole run (0: no cap)."""
 
-    top_k: int = 5
+    top_k: int = DEFAULT_TOP_K
     redundancy: int = 2  # r, records per redundant conflict
     max_cases: int = 0
     max_distractors: int = 2  # distractors tried per (query, mechanism)
@@ -109,7 +110,7 @@ class BuildConfig:
 
     def __post_init__(self) -> None:
         w = "build config"
-        check(isinstance(self.top_k, int) and 2 <= self.top_k <= 20, w, f"top_k={self.top_k!r}; allowed 2..20")
+        check_top_k(self.top_k, w, low=2)  # room for a redundant pair
         check(isinstance(self.redundancy, int) and 2 <= self.redundancy <= min(len(STRONG_TEMPLATES), self.top_k), w,
               f"redundancy={self.redundancy!r}; allowed 2..{min(len(STRONG_TEMPLATES), self.top_k)}")
         check(isinstance(self.max_cases, int) and self.max_cases >= 0, w, f"max_cases={self.max_cases!r}; must be >= 0")

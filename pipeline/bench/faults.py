@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline.io.records import Memory, Pool, Query
-from pipeline.retrieval import STOPWORDS, tokens
+from pipeline.text import STOPWORDS, tokens
 
 MECHANISMS = ("direct", "redundant", "joint")
 

@@ -24,7 +24,7 @@ with the case seed: `pipeline.bench.metrics.full_ranking`), which full-ranking R
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -37,18 +37,22 @@ from pipeline.errors import ConfigError
 from pipeline.game import harmful_ranking, make_plan, select_clearance, shapley_exact, shapley_permutation
 from pipeline.game.attribution import loo_effects
 from pipeline.game.clearance import clearance_coalitions
-from pipeline.game.plan import full_mask
-from pipeline.retrieval import tokens
+from pipeline.game.plan import DEFAULT_PERMUTATIONS, full_mask
+from pipeline.settings import DEFAULT_KAPPA, DEFAULT_TAU
+from pipeline.text import tokens
 
 FAMILIES = ("meclear", "loo", "contextcite", "proxyspex", "filter")
 CONTROLS = ("position", "random", "oracle")
 DEFAULT_BUDGETS = (4, 8, 16)
+METHOD_FAMILIES = (*FAMILIES, "loo_threshold", *CONTROLS)  # what a Method's family may be
+_ALLOWED = f"allowed {FAMILIES}, loo_threshold, meclear_exact, meclear_l<L>, controls, {', '.join(CONTROLS)}"
+DEFAULT_METHODS = ("meclear", "loo", "contextcite", "proxyspex", "filter", "controls")  # CLI words, see expand_methods
 
 
 @dataclass(frozen=True)
 class MethodConfig:
-    tau: float = 0.05
-    kappa: float = 0.05  # LOO screen tolerance; recorded, it does not change a ranking or a clearance
+    tau: float = DEFAULT_TAU
+    kappa: float = DEFAULT_KAPPA  # LOO screen tolerance; recorded, it does not change a ranking or a clearance
     contextcite_masks: int = 64
     proxyspex_masks: int = 64
     filter_threshold: float = 0.5  # relevance filter: drop memories with fewer than this share of question words
@@ -64,33 +68,54 @@ class MethodConfig:
                 raise ConfigError(f"method config: {name}={v!r}; must be an integer >= 1")
 
 
+@dataclass(frozen=True)
+class Method:
+    """One benchmarked method: its family and, for MeClear, the permutation budget L (None: exact enumeration)."""
+
+    family: str  # meclear, loo, loo_threshold, contextcite, proxyspex, filter, or a control
+    budget: int | None = None
+
+    def __post_init__(self) -> None:
+        budget_ok = self.budget is None or (self.family == "meclear" and isinstance(self.budget, int)
+                                            and not isinstance(self.budget, bool) and self.budget >= 1)
+        if self.family not in METHOD_FAMILIES or not budget_ok:
+            raise ConfigError(f"methods: family {self.family!r} with budget {self.budget!r} is not a method; {_ALLOWED}")
+
+    @property
+    def name(self) -> str:
+        """The method's name in cases.parquet and the summary: meclear_l<L>, meclear_exact, or the family."""
+        if self.family != "meclear":
+            return self.family
+        return "meclear_exact" if self.budget is None else f"meclear_l{self.budget}"
+
+    @classmethod
+    def parse(cls, name: str) -> "Method":
+        """The method a single name stands for (meclear_l8, meclear_exact, loo_threshold, position, ...)."""
+        if name == "meclear_exact":
+            return cls("meclear")
+        digits = name.removeprefix("meclear_l") if name.startswith("meclear_l") else ""
+        if digits.isdigit() and int(digits) >= 1:
+            return cls("meclear", int(digits))
+        if name != "meclear" and name in METHOD_FAMILIES:
+            return cls(name)
+        raise ConfigError(f"methods: {name!r} is not a method; {_ALLOWED}")
+
+
 def expand_methods(names: list[str] | tuple[str, ...], budgets: tuple[int, ...] = DEFAULT_BUDGETS) -> tuple[str, ...]:
     """Method names from CLI words: 'meclear' -> meclear_l<L> for each budget + meclear_exact, 'loo' -> loo +
     loo_threshold, 'controls' -> position + random + oracle; single names (meclear_l8, meclear_exact, loo_threshold,
     position, ...) pass through. Order kept, no repeats."""
-    out: list[str] = []
+    out: list[Method] = []
     for n in names:
         if n == "meclear":
-            out += [f"meclear_l{b}" for b in budgets] + ["meclear_exact"]
+            out += [Method("meclear", b) for b in budgets] + [Method("meclear")]
         elif n == "loo":
-            out += ["loo", "loo_threshold"]
+            out += [Method("loo"), Method("loo_threshold")]
         elif n == "controls":
-            out += list(CONTROLS)
-        elif n in ("contextcite", "proxyspex", "filter", "loo_threshold", "meclear_exact", *CONTROLS) \
-                or _budget(n) is not None:
-            out.append(n)
+            out += [Method(c) for c in CONTROLS]
         else:
-            raise ConfigError(
-                f"methods: {n!r} is not a method; allowed {FAMILIES}, loo_threshold, meclear_exact, meclear_l<L>, "
-                f"controls, {', '.join(CONTROLS)}"
-            )
-    return tuple(dict.fromkeys(out))
-
-
-def _budget(name: str) -> int | None:
-    if name.startswith("meclear_l") and name[9:].isdigit() and int(name[9:]) >= 1:
-        return int(name[9:])
-    return None
+            out.append(Method.parse(n))
+    return tuple(dict.fromkeys(m.name for m in out))
 
 
 @dataclass(frozen=True)
@@ -105,6 +130,7 @@ class Outcome:
     cleared_utility: float | None
     estimator: str
     full_ranking: tuple[int, ...] = ()  # all K positions, most harmful first (seeded ties)
+    permutations: int | None = None  # MeClear's permutation budget L (None: exact enumeration, or not MeClear)
 
 
 def _clear(k: int, ranking: np.ndarray, ev: CachedOracle) -> tuple[tuple[int, ...], bool, float, float]:
@@ -147,12 +173,12 @@ def control(name: str, k: int, ev: CachedOracle, seed: int, faults: tuple[int, .
 
 def meclear(k: int, ev: CachedOracle, budget: int | None, seed: int, tau: float) -> Outcome:
     """MeClear with L=budget forced permutations, or exact enumeration (budget None)."""
-    plan = make_plan(k, budget or 16, "exact" if budget is None else "permutation", seed=seed)
+    plan = make_plan(k, budget or DEFAULT_PERMUTATIONS, "exact" if budget is None else "permutation", seed=seed)
     util, _ = ev(plan.coalitions)
     values = np.full(1 << k, np.nan)
     values[plan.coalitions] = util
     phi = shapley_exact(values) if budget is None else shapley_permutation(values, plan.permutations)[0]
-    return _ranked(k, phi, ev, tau, plan.estimator, seed, loo_effects(values))
+    return replace(_ranked(k, phi, ev, tau, plan.estimator, seed, loo_effects(values)), permutations=budget)
 
 
 def _lexical_relevance(question: str, texts: tuple[str, ...]) -> np.ndarray:
@@ -160,31 +186,31 @@ def _lexical_relevance(question: str, texts: tuple[str, ...]) -> np.ndarray:
     return np.array([len(q & set(tokens(t))) / max(len(q), 1) for t in texts])
 
 
-def run_method(method: str, bc: BenchCase, agent: Agent, oracle: CaseOracle, utility: str, cfg: MethodConfig,
+def run_method(method: Method, bc: BenchCase, agent: Agent, oracle: CaseOracle, utility: str, cfg: MethodConfig,
                drop: list[int] | None = None) -> Outcome:
     """One method on one case in one utility mode. `drop`: the LLM filter's answer (mode-independent, asked once)."""
-    case, k = bc.case, bc.case.k
+    case, k, family = bc.case, bc.case.k, method.family
     ev = CachedOracle(k, oracle.mode(utility))
-    if method == "meclear_exact" or _budget(method) is not None:
-        return meclear(k, ev, _budget(method), case.seed, cfg.tau)
-    if method in CONTROLS:
-        return control(method, k, ev, case.seed, bc.fault_positions)
-    if method in ("loo", "loo_threshold"):
+    if family == "meclear":
+        return meclear(k, ev, method.budget, case.seed, cfg.tau)
+    if family in CONTROLS:
+        return control(family, k, ev, case.seed, bc.fault_positions)
+    if family in ("loo", "loo_threshold"):
         a = loo(k, ev).attribution
-        if method == "loo":
+        if family == "loo":
             return _ranked(k, a, ev, cfg.tau, "loo", case.seed, a)
         ranking = harmful_ranking(a, cfg.tau, a)
         kept = full_mask(k) & ~sum(1 << int(i) for i in ranking)
         util, ok = ev(np.array([full_mask(k), kept]))
         r = tuple(int(i) for i in ranking)
         return Outcome(r, r, bool(ok[1]), ev.evaluations, float(util[0]), float(util[1]), "loo", _full(a, case.seed))
-    if method == "contextcite":
+    if family == "contextcite":
         a = context_cite(k, ev, cfg.contextcite_masks, seed=case.seed).attribution
-        return _ranked(k, a, ev, cfg.tau, method, case.seed)
-    if method == "proxyspex":
+        return _ranked(k, a, ev, cfg.tau, family, case.seed)
+    if family == "proxyspex":
         a = proxyspex(k, ev, cfg.proxyspex_masks, seed=case.seed).attribution
-        return _ranked(k, a, ev, cfg.tau, method, case.seed)
-    if method == "filter":
+        return _ranked(k, a, ev, cfg.tau, family, case.seed)
+    if family == "filter":
         if drop is not None:  # the LLM filter: drop what the model says, check the result once
             r = tuple(sorted(int(i) for i in drop))
             kept = full_mask(k) & ~sum(1 << i for i in r)
@@ -196,33 +222,32 @@ def run_method(method: str, bc: BenchCase, agent: Agent, oracle: CaseOracle, uti
                            _full(scores, case.seed))
         rel = _lexical_relevance(case.query.question, case.context.texts)
         res = relevance_filter(rel, cfg.filter_threshold, ev)
-        r = tuple(res.extras["cleared"])  # type: ignore[arg-type]
-        return Outcome(r, r, bool(res.extras["recovered"]), ev.evaluations, None,
-                       float(res.extras["cleared_utility"]), "relevance_filter",  # type: ignore[arg-type]
-                       _full(res.attribution, case.seed))
-    raise ConfigError(f"methods: {method!r} is not a method")
+        return Outcome(res.cleared, res.cleared, res.recovered, ev.evaluations, None, res.cleared_utility,
+                       "relevance_filter", _full(res.attribution, case.seed))
+    raise ConfigError(f"methods: {method.name!r} is not a method")
 
 
 def run_case(bc: BenchCase, agent: Agent, methods: tuple[str, ...], utilities: tuple[str, ...],
              cfg: MethodConfig) -> list[tuple[str, str, Outcome]] | None:
-    """Every (method, utility mode) on one case: [(method, utility, outcome)], or None when the case is excluded.
+    """Every (method, utility mode) on one case: [(method name, utility, outcome)], or None when the case is excluded.
 
     The full context is re-evaluated first, in this phase: an LLM's answer can change with batching, and a case whose
     full context now comes back correct has nothing to recover, so it is excluded from every method's metrics.
     """
+    parsed = [Method.parse(m) for m in methods]
     oracle = CaseOracle(agent, bc.case)
     if bool(oracle.outcome(np.array([full_mask(bc.case.k)]))[0]):
         return None
-    if "meclear_exact" in methods:
+    if Method("meclear") in parsed:
         oracle.fetch(np.arange(1 << bc.case.k))  # all of them are needed anyway: one agent batch
     drop = None
-    if "filter" in methods and hasattr(agent, "drop_memories"):
+    if Method("filter") in parsed and hasattr(agent, "drop_memories"):
         from pipeline.agents.llm_filter import filter_memories
 
         q = bc.case.query
         drop = filter_memories(agent, q.question, q.options, bc.case.context.texts)  # type: ignore[arg-type]
     with _fast_sklearn():
-        return [(m, u, run_method(m, bc, agent, oracle, u, cfg, drop)) for u in utilities for m in methods]
+        return [(m.name, u, run_method(m, bc, agent, oracle, u, cfg, drop)) for u in utilities for m in parsed]
 
 
 def _fast_sklearn():

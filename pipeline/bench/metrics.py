@@ -34,9 +34,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipeline.bench.faults import MECHANISMS
 from pipeline.errors import MeClearError
-
-MECHANISMS = ("direct", "redundant", "joint")
 METRICS = (
     "recall_at_m",
     "recall_at_m_thresholded",

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 
 from pipeline.bench.bootstrap import bootstrap_groups
 from pipeline.bench.faults import MECHANISMS
-from pipeline.bench.methods import CONTROLS
+from pipeline.bench.methods import CONTROLS, Method
 from pipeline.bench.metrics import METRICS, CaseResult
 from pipeline.bench.schema import CASES
 
@@ -50,7 +50,7 @@ def case_rows(result, run_id: str) -> list[dict]:
                 "baseline_utility": o.baseline_utility,
                 "cleared_utility": o.cleared_utility,
                 "estimator": o.estimator,
-                "permutations": int(method[9:]) if method.startswith("meclear_l") else None,
+                "permutations": o.permutations,
                 "agent": result.agent_fingerprint,
                 "seed": result.config.seed,
             })
@@ -228,7 +228,7 @@ def markdown(summary: dict) -> str:
                       "per case as a count)", "", "| method | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
             for name, d in paired.items():
                 lines.append(f"| {name} | " + " | ".join(_diff(d[k], k) for k in keys) + " |")
-        sens = [n for n in methods if n.startswith("meclear_")]
+        sens = _meclear_names(methods)
         if sens:
             keys = ("recall_at_m", "complete_set_recall", "exact_set_match", "task_recovery", "extra_background",
                     "evaluations_per_case")
@@ -240,6 +240,15 @@ def markdown(summary: dict) -> str:
     t = summary["timings"]
     lines += ["## Timings", "", ", ".join(f"{k} {v:.1f}" for k, v in t.items()), "", "![figure](figure.png)", ""]
     return "\n".join(lines)
+
+
+def _meclear_names(names) -> list[str]:
+    """The MeClear variants among the method names, in their order (the sensitivity-to-L table and panel)."""
+    return [n for n in names if Method.parse(n).family == "meclear"]
+
+
+def _budget_label(method: Method) -> str:
+    return "exact" if method.budget is None else f"l{method.budget}"
 
 
 def figure(summary: dict, path: Path) -> None:
@@ -284,14 +293,14 @@ def figure(summary: dict, path: Path) -> None:
             ax.set_ylabel(f"{metric} (share)")
             ax.set_title(f"{metric} by mechanism ({mode}); 95% CI over {conv} conversations", fontsize=9)
         ax = axes[row, 2]
-        sens = [n for n in names if n.startswith("meclear_")]
+        sens = _meclear_names(names)
         keys = ("recall_at_m", "complete_set_recall", "exact_set_match", "task_recovery")
         for i, (metric, marker) in enumerate(zip(keys, ("o", "s", "^", "D"))):
             iv = [methods[n]["overall"][metric] for n in sens]
             v = np.array([it["value"] for it in iv])
             err = np.array([[it["value"] - it["ci_low"] for it in iv], [it["ci_high"] - it["value"] for it in iv]])
             ax.errorbar(np.arange(len(sens)) + (i - 1.5) * 0.08, v, yerr=err, marker=marker, capsize=3, label=metric)
-        ax.set_xticks(np.arange(len(sens)), [n.removeprefix("meclear_") for n in sens])
+        ax.set_xticks(np.arange(len(sens)), [_budget_label(Method.parse(n)) for n in sens])
         ax.set_ylim(-0.02, 1.05)
         ax.set_xlabel("MeClear permutation budget L")
         ax.set_ylabel("share of cases")

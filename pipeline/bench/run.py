@@ -17,84 +17,24 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from pipeline.agents import AGENTS, AgentSpec, build_agent
-from pipeline.agents.utility import UTILITY_MODES
-from pipeline.bench.bootstrap import DEFAULT_REPLICATES
+from pipeline.agents import build_agent
 from pipeline.bench.builder import (
     BenchCase,
-    BuildConfig,
     BuildResult,
     CachedAgent,
     MechanismCount,
     build_pool,
     cap_cases,
 )
+from pipeline.bench.config import EvalConfig
 from pipeline.bench.faults import MECHANISMS
-from pipeline.bench.methods import DEFAULT_BUDGETS, MethodConfig, expand_methods, run_case
-from pipeline.configs import check, fingerprint
+from pipeline.bench.methods import run_case
 from pipeline.errors import ConfigError
+from pipeline.validation import fingerprint
 
 log = logging.getLogger(__name__)
 
 CHUNK = 16  # cases per Ray task in the methods phase
-
-
-@dataclass(frozen=True)
-class EvalConfig:
-    """Every setting of a benchmark run; validated at construction. `methods` may use the CLI shorthands."""
-
-    locomo: str
-    conversations: tuple[str, ...] = ()  # sample_ids; empty = all
-    max_cases: int = 0  # per mechanism, over the whole run; 0 = no cap
-    methods: tuple[str, ...] = ("meclear", "loo", "contextcite", "proxyspex", "filter", "controls")
-    utility: tuple[str, ...] = UTILITY_MODES
-    budgets: tuple[int, ...] = DEFAULT_BUDGETS
-    seed: int = 0
-    replicates: int = DEFAULT_REPLICATES
-    top_k: int = 5
-    redundancy: int = 2
-    tau: float = 0.05
-    kappa: float = 0.05
-    filter_threshold: float = 0.5
-    dense: str = "auto"
-    agent: str = "reader"
-    agent_options: dict = field(default_factory=dict)
-    executor: str = "ray"
-    actors: int = 0  # 0: one per free CPU (or per GPU with gpus_per_actor > 0)
-    gpus_per_actor: float = 0.0
-
-    def __post_init__(self) -> None:
-        w = "eval config"
-        for name in ("conversations", "methods", "utility", "budgets"):
-            object.__setattr__(self, name, tuple(getattr(self, name)))
-        check(isinstance(self.locomo, str) and bool(self.locomo), w, f"locomo={self.locomo!r}; a LoCoMo json path")
-        check(all(isinstance(b, int) and b >= 1 for b in self.budgets) and bool(self.budgets), w,
-              f"budgets={self.budgets!r}; positive integers")
-        object.__setattr__(self, "methods", expand_methods(self.methods, self.budgets))
-        check(bool(self.methods), w, "methods is empty")
-        check(bool(self.utility) and set(self.utility) <= set(UTILITY_MODES), w,
-              f"utility={self.utility!r}; allowed a non-empty subset of {UTILITY_MODES}")
-        check(len(set(self.utility)) == len(self.utility), w, f"utility={self.utility!r} repeats a mode")
-        check(isinstance(self.seed, int), w, f"seed={self.seed!r}; must be an integer")
-        check(isinstance(self.replicates, int) and self.replicates >= 1, w, f"replicates={self.replicates!r}; >= 1")
-        check(self.dense in ("auto", "on", "off"), w, f"dense={self.dense!r}; allowed 'auto', 'on', 'off'")
-        check(self.agent in AGENTS, w, f"agent={self.agent!r}; allowed {AGENTS}")
-        check(isinstance(self.agent_options, dict), w, "agent_options must be a mapping")
-        check(self.executor in ("ray", "local"), w, f"executor={self.executor!r}; allowed 'ray', 'local'")
-        check(isinstance(self.actors, int) and self.actors >= 0, w, f"actors={self.actors!r}; must be >= 0")
-        _ = (self.build_config, self.method_config)  # validate both now, not on a worker later
-
-    @property
-    def build_config(self) -> BuildConfig:
-        return BuildConfig(top_k=self.top_k, redundancy=self.redundancy, max_cases=self.max_cases, seed=self.seed)
-
-    @property
-    def method_config(self) -> MethodConfig:
-        return MethodConfig(tau=self.tau, kappa=self.kappa, filter_threshold=self.filter_threshold)
-
-    @property
-    def agent_spec(self) -> AgentSpec:
-        return AgentSpec(self.agent, dict(self.agent_options))
 
 
 class BenchWorker:
@@ -112,7 +52,7 @@ class BenchWorker:
 
     def _load(self):
         if self._data is None:
-            from pipeline.bench.index import PoolIndex
+            from pipeline.bench.reretrieval import PoolIndex
             from pipeline.io.locomo import load_locomo
 
             pools, queries = load_locomo(self.config.locomo, conversations=list(self.config.conversations) or None,
@@ -124,10 +64,9 @@ class BenchWorker:
     def retrieval_mode(self) -> str:
         if self._index is not None:
             return self._index.mode
-        from pipeline.retrieval import MiniLMEncoder
+        from pipeline.retrieval import retrieval_mode, use_dense
 
-        dense = self.config.dense == "on" or (self.config.dense == "auto" and MiniLMEncoder.available())
-        return "bm25+minilm" if dense else "bm25"
+        return retrieval_mode(use_dense(self.config.dense))
 
     def build(self, conversation: str) -> tuple[str, BuildResult, float]:
         (pools, queries), index = self._load()

@@ -20,6 +20,7 @@ import numpy as np
 from pipeline.errors import ConfigError
 
 ESTIMATORS = ("auto", "exact", "permutation", "adaptive")
+DEFAULT_PERMUTATIONS = 16  # permutation budget L: the audit's default, and the adaptive estimator's default cap
 ADAPTIVE_ROUND = 8  # permutations per round of the adaptive estimator (and the fewest it ever stops at)
 MAX_PLAYERS = 20  # exact value tables are dense arrays of 2^K floats: 8 MiB at K=20
 
@@ -80,7 +81,7 @@ class GamePlan:
 
 def make_plan(
     k: int,
-    permutations: int = 16,
+    permutations: int = DEFAULT_PERMUTATIONS,
     estimator: str = "auto",
     antithetic: bool = False,
     seed: int = 0,

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Iterable
 
 from pipeline.errors import InputError
-from pipeline.io.records import MAX_MEMORY_CHARS, Memory, Pool, Query, iter_records, parse_memory, parse_query, text_field, warn_unknown
+from pipeline.io.records import MAX_MEMORY_CHARS, Pool, PoolGrouper, Query, iter_records, parse_memory, parse_query, text_field, warn_unknown
 
 MEMORY_FIELDS = {"memory_id", "text", "timestamp", "speaker", "metadata", "pool_id"}
 QUERY_FIELDS = {"query_id", "pool_id", "question", "answer", "options", "category", "evidence"}
@@ -32,9 +32,7 @@ def load_pools(paths: str | Path | Iterable[str | Path], max_chars: int = MAX_ME
     if isinstance(paths, (str, Path)):
         paths = [paths]
     files = [f for p in paths for f in input_files(p)]
-    grouped: dict[str, list[Memory]] = {}
-    sources: dict[str, str] = {}
-    where_seen: dict[tuple[str, str], str] = {}
+    grouped = PoolGrouper()
     stem_pools: dict[str, Path] = {}
     for f in files:
         seen: set[str] = set()
@@ -56,18 +54,11 @@ def load_pools(paths: str | Path | Iterable[str | Path], max_chars: int = MAX_ME
                 raise InputError(f, where, "pool_id", f"is given in some rows ({with_pool}) and not in others "
                                                       f"({without_pool}); give it in every row or in none")
             mem = parse_memory(f, where, rec, max_chars)
-            key = (pool_id, mem.memory_id)
-            if key in where_seen:
-                raise InputError(
-                    f, where, "memory_id", f"{mem.memory_id!r} repeats in pool {pool_id!r} (first at {where_seen[key]})"
-                )
-            where_seen[key] = f"{f.name} {where}"
-            grouped.setdefault(pool_id, []).append(mem)
-            sources.setdefault(pool_id, str(f))
+            grouped.add(f, where, pool_id, mem)
             count += 1
         if count == 0:
             raise InputError(f, "", None, "holds no memory records")
-    return {pid: Pool(pid, tuple(mems), sources[pid]) for pid, mems in grouped.items()}
+    return grouped.pools()
 
 
 def load_queries(paths: str | Path | Iterable[str | Path], pools: dict[str, Pool]) -> list[Query]:

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.agents.utility import normalize_answer
 from pipeline.errors import InputError
 from pipeline.io.records import Memory, Pool, Query
+from pipeline.text import normalize_answer
 
 _SESSION = re.compile(r"^session_(\d+)$")
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from pipeline.errors import InputError
-from pipeline.io.records import Memory, Pool, text_field, warn_unknown
+from pipeline.io.records import Memory, Pool, PoolGrouper, text_field, warn_unknown
 
 USED = {"id", "memory", "created_at", "user_id", "metadata"}
 KNOWN = USED | {"hash", "updated_at", "agent_id", "run_id", "app_id", "actor_id", "role", "categories",
@@ -70,22 +70,15 @@ def load_mem0(paths: str | Path | Iterable[str | Path]) -> dict[str, Pool]:
     """Pools by user_id from one or more mem0 export files."""
     if isinstance(paths, (str, Path)):
         paths = [paths]
-    grouped: dict[str, list[Memory]] = {}
-    sources: dict[str, str] = {}
-    first: dict[tuple[str, str], str] = {}
+    grouped = PoolGrouper(id_field="id", owner="for user")
     for f in map(Path, paths):
         seen: set[str] = set()
         count = 0
         for where, rec in _records(f):
             pool, mem = _parse(f, where, rec)
             warn_unknown(f, rec, KNOWN, seen)  # type: ignore[arg-type]
-            key = (pool, mem.memory_id)
-            if key in first:
-                raise InputError(f, where, "id", f"{mem.memory_id!r} repeats for user {pool!r} (first at {first[key]})")
-            first[key] = f"{f.name} {where}"
-            grouped.setdefault(pool, []).append(mem)
-            sources.setdefault(pool, str(f))
+            grouped.add(f, where, pool, mem)
             count += 1
         if count == 0:
             raise InputError(f, "", None, "holds no memories")
-    return {pid: Pool(pid, tuple(mems), sources[pid]) for pid, mems in grouped.items()}
+    return grouped.pools()

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from pipeline.agents.utility import gold_index, normalize_answer
 from pipeline.errors import InputError
+from pipeline.text import gold_index, normalize_answer
 
 log = logging.getLogger(__name__)
 
@@ -157,3 +157,28 @@ def warn_unknown(path: Path, rec: dict, known: set[str], seen: set[str]) -> None
     if extra:
         seen |= extra
         log.warning("%s: ignoring field(s) %s (not used by the audit)", path, sorted(extra))
+
+
+class PoolGrouper:
+    """Memories grouped into pools in input order, each (pool, memory id) once; a pool's source is its first file.
+
+    `id_field` and `owner` word the repeat error as the input format names them ("id" / "for user" in mem0 exports).
+    """
+
+    def __init__(self, id_field: str = "memory_id", owner: str = "in pool"):
+        self.id_field, self.owner = id_field, owner
+        self._memories: dict[str, list[Memory]] = {}
+        self._sources: dict[str, str] = {}
+        self._first: dict[tuple[str, str], str] = {}
+
+    def add(self, path: Path, where: str, pool_id: str, memory: Memory) -> None:
+        key = (pool_id, memory.memory_id)
+        if key in self._first:
+            raise InputError(path, where, self.id_field,
+                             f"{memory.memory_id!r} repeats {self.owner} {pool_id!r} (first at {self._first[key]})")
+        self._first[key] = f"{path.name} {where}"
+        self._memories.setdefault(pool_id, []).append(memory)
+        self._sources.setdefault(pool_id, str(path))
+
+    def pools(self) -> dict[str, Pool]:
+        return {pid: Pool(pid, tuple(mems), self._sources[pid]) for pid, mems in self._memories.items()}

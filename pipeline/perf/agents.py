@@ -33,12 +33,12 @@ from typing import Any, Sequence
 from pipeline.agents import prompts
 from pipeline.agents.base import AgentRequest
 from pipeline.audit import AuditConfig, _versions, run_audit
-from pipeline.configs import check
 from pipeline.errors import AgentError, ConfigError
 from pipeline.executors import Executor
 from pipeline.io.records import Pool, Query
 from pipeline.runner import InputSpec
 from pipeline.stage import ItemResult, WorkItem
+from pipeline.validation import check
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +55,8 @@ class AgentBenchConfig:
     locomo: str | None = None
     conversations: tuple[str, ...] = ()
     max_queries: int = 0  # 0: all
-    top_k: int = 5
-    permutations: int = 16
+    top_k: int = AuditConfig.top_k
+    permutations: int = AuditConfig.permutations
     batch_size: int = 256  # coalitions per actor task, as in `meclear audit --batch-size`
     repetitions: int = 3
     gpus_per_actor: float = 0.0

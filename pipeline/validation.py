@@ -8,6 +8,7 @@ import json
 from typing import Any, Mapping, TypeVar
 
 from pipeline.errors import ConfigError
+from pipeline.text import safe
 
 T = TypeVar("T")
 
@@ -33,6 +34,22 @@ def fingerprint(obj: Any, length: int = 12) -> str:
         obj = dataclasses.asdict(obj)
     blob = json.dumps(obj, sort_keys=True, default=str, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:length]
+
+
+def key_values(pairs: list[str], flag: str) -> dict[str, Any]:
+    """`KEY=VALUE` command-line pairs as a mapping; values read as YAML scalars (numbers and booleans as such)."""
+    import yaml
+
+    out = {}
+    for kv in pairs:
+        key, sep, value = kv.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"{flag} {safe(kv)!r}: expected KEY=VALUE")
+        try:
+            out[key] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise ConfigError(f"{flag} {safe(kv)!r}: value is not a number, boolean or plain text") from None
+    return out
 
 
 def check(condition: bool, where: str, message: str) -> None:

@@ -1,0 +1,53 @@
+"""`EvalConfig`: every setting of an FI-LoCoMo benchmark run, validated at construction (the shared fields and their
+checks come from `pipeline.settings.RunSettings`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.agents.utility import UTILITY_MODES
+from pipeline.bench.bootstrap import DEFAULT_REPLICATES
+from pipeline.bench.builder import BuildConfig
+from pipeline.bench.methods import DEFAULT_BUDGETS, DEFAULT_METHODS, MethodConfig, expand_methods
+from pipeline.settings import RunSettings
+from pipeline.validation import check
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig(RunSettings):
+    """Every setting of a benchmark run; validated at construction. `methods` may use the CLI shorthands."""
+
+    locomo: str
+    conversations: tuple[str, ...] = ()  # sample_ids; empty = all
+    max_cases: int = 0  # per mechanism, over the whole run; 0 = no cap
+    methods: tuple[str, ...] = DEFAULT_METHODS
+    utility: tuple[str, ...] = UTILITY_MODES
+    budgets: tuple[int, ...] = DEFAULT_BUDGETS
+    replicates: int = DEFAULT_REPLICATES
+    redundancy: int = 2
+    filter_threshold: float = 0.5
+
+    def __post_init__(self) -> None:
+        w = "eval config"
+        for name in ("conversations", "methods", "utility", "budgets"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        check(isinstance(self.locomo, str) and bool(self.locomo), w, f"locomo={self.locomo!r}; a LoCoMo json path")
+        check(all(isinstance(b, int) and b >= 1 for b in self.budgets) and bool(self.budgets), w,
+              f"budgets={self.budgets!r}; positive integers")
+        object.__setattr__(self, "methods", expand_methods(self.methods, self.budgets))
+        check(bool(self.methods), w, "methods is empty")
+        check(bool(self.utility) and set(self.utility) <= set(UTILITY_MODES), w,
+              f"utility={self.utility!r}; allowed a non-empty subset of {UTILITY_MODES}")
+        check(len(set(self.utility)) == len(self.utility), w, f"utility={self.utility!r} repeats a mode")
+        check(isinstance(self.replicates, int) and self.replicates >= 1, w, f"replicates={self.replicates!r}; >= 1")
+        check(isinstance(self.max_cases, int) and self.max_cases >= 0, w, f"max_cases={self.max_cases!r}; must be >= 0")
+        self.check_run_settings(w, top_k_low=2)  # fault cases need room for a redundant pair
+        _ = (self.build_config, self.method_config)  # validate both now, not on a worker later
+
+    @property
+    def build_config(self) -> BuildConfig:
+        return BuildConfig(top_k=self.top_k, redundancy=self.redundancy, max_cases=self.max_cases, seed=self.seed)
+
+    @property
+    def method_config(self) -> MethodConfig:
+        return MethodConfig(tau=self.tau, kappa=self.kappa, filter_threshold=self.filter_threshold)
