@@ -325,3 +325,20 @@ def test_pieces_that_do_not_concatenate_fall_back_to_full_tokenisation(tiny_mode
             assert builder._pieces_ok == (not quirk_from_start and i == 0)
     assert not builder._pieces_ok
     assert sum("do not concatenate" in r.getMessage() for r in caplog.records) == 1  # logged once
+
+
+def test_cpu_engine_defaults_follow_the_machine() -> None:
+    """dtype `auto` runs float32 on an x86 CPU without native bfloat16 (vLLM would emulate bfloat16, 7x slower there),
+    and small machines bind the engine's threads to every CPU; anything the user sets wins."""
+    from pipeline.agents.vllm_agent import VLLMConfig, cpu_engine_env, resolved_dtype
+
+    avx2 = "processor : 0\nflags : fpu sse2 avx avx2 fma\n"
+    amx = "processor : 0\nflags : fpu avx2 avx512f avx512_bf16 amx_bf16\n"
+    auto = VLLMConfig(model="m")
+    assert resolved_dtype(auto, on_cpu=True, cpuinfo=avx2) == "float32"
+    assert resolved_dtype(auto, on_cpu=True, cpuinfo=amx) == "auto"
+    assert resolved_dtype(auto, on_cpu=False, cpuinfo=avx2) == "auto"  # CUDA: vLLM's choice
+    assert resolved_dtype(VLLMConfig(model="m", dtype="bfloat16"), on_cpu=True, cpuinfo=avx2) == "bfloat16"
+    assert cpu_engine_env({}, cpus=[0, 1]) == {"VLLM_CPU_OMP_THREADS_BIND": "0,1"}
+    assert cpu_engine_env({"VLLM_CPU_OMP_THREADS_BIND": "auto"}, cpus=[0, 1]) == {}
+    assert cpu_engine_env({}, cpus=range(64)) == {}

