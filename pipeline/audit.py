@@ -165,7 +165,7 @@ class InputSpec:
 
 @contextmanager
 def agents_running(config: AuditConfig, spec: AgentSpec) -> Iterator[tuple[WorkerPool, str]]:
-    """Start the agents: Ray actors (starting or joining Ray) unless executor='local', then one agent in this process.
+    """Start the agents: one in this process (executor 'local') or a pool of Ray actors (starting or joining Ray).
     Yields (pool, the agents' fingerprint); stops them, and Ray if this started it, also on Ctrl-C."""
     if config.executor == "local":
         pool: WorkerPool = LocalPool(AgentWorker(spec))

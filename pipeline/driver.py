@@ -1,12 +1,13 @@
-"""The audit's driver: inputs -> frozen contexts -> coalition evaluations (streamed) -> attributions, interactions, clearances.
+"""The audit's driver: frozen contexts -> coalition evaluations (streamed) -> attributions, interactions, clearances.
 
-`run_audit` plans each case, sends its coalitions to an executor (in process or a Ray actor pool),
-streams utilities to Parquet as they arrive, reduces each case once its first pass is in, sends the coalitions that the
-clearance still needs in a second pass to the same worker, and writes the reductions atomically at the end. Rows are
-keyed by (pool, query, context hash, coalition, agent, utility mode), so a rerun into the same folder (or one given
-`reuse=PREVIOUS_OUT`) skips every coalition already written. Part files are content-addressed and compacted at the
-end of each run, so resuming after any crash converges: `utilities/` ends with every key exactly once. A case whose
-agent fails or returns a non-finite or out-of-range utility goes to `errors/`; the other cases finish.
+`run_audit` plans each case, sends its coalitions to a pool of agents (`pipeline.pools`: in process or Ray actors)
+through the `Scheduler`, streams utilities to Parquet as they arrive, moves each case forward as its values come in
+(`pipeline.reduce.advance`: a second pass that the clearance still needs goes to the same worker), and writes the
+reductions atomically at the end. Rows are keyed by (pool, query, context hash, coalition, agent, utility mode), so
+a rerun into the same folder (or one given `reuse=PREVIOUS_OUT`, `pipeline.io.reuse`) skips every coalition already
+written. Part files are content-addressed and compacted at the end of each run, so resuming after any crash
+converges: `utilities/` ends with every key exactly once. A case whose agent fails or returns a non-finite or
+out-of-range utility goes to `errors/`; the other cases finish.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pipeline.game.plan import popcount
 from pipeline.io import writer
 from pipeline.io.outdir import DATASET_NAMES, OutLock, check_out
 from pipeline.io.records import Pool, Query
+from pipeline.io.reuse import import_reused, previous_run_id, previous_utilities
 from pipeline.pools import WorkerPool
 from pipeline.provenance import sha256_file, versions
 from pipeline.reduce import CaseRows, CaseState, advance, finalize
@@ -42,6 +44,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class AuditResult:
+    """What an audit did, in counts (the rows are in the output folder); `cli.print_summary` prints it."""
+
     run_id: str
     out: Path
     cases: int
@@ -57,66 +61,6 @@ class AuditResult:
     imported: int = 0  # of `reused`, rows copied from --reuse folders
     failed: int = 0  # cases that went to errors/ (the exit code is then non-zero)
     errors: list[dict] = field(repr=False, default_factory=list)
-
-
-def _previous_utilities(folders: list[Path], agent_fp: str, mode: str) -> dict[tuple[str, str, str], tuple[np.ndarray, ...]]:
-    """Coalitions earlier runs already wrote for this agent and utility mode, by (pool, query, context hash). The
-    key covers everything a utility depends on (the context hash fixes the memories and their order; the agent
-    fingerprint the model and its settings), so a row whose key matches is reused whatever run wrote it."""
-    files = [f for folder in folders for f in sorted((folder / "utilities").glob("*.parquet"))]
-    if not files:
-        return {}
-    import polars as pl
-
-    df = (
-        pl.scan_parquet(files)
-        .filter((pl.col("agent") == agent_fp) & (pl.col("utility_mode") == mode) & pl.col("utility").is_finite())
-        .select("pool_id", "query_id", "context_hash", "coalition", "utility", "correct", "answer")
-        .unique(subset=["pool_id", "query_id", "context_hash", "coalition"], keep="first")
-        .collect()
-    )
-    found = {}
-    for key, g in df.group_by(["pool_id", "query_id", "context_hash"]):
-        found[tuple(key)] = (
-            g["coalition"].to_numpy(), g["utility"].to_numpy(), g["correct"].to_numpy(), g["answer"].to_list()
-        )
-    return found
-
-
-def _previous_run(out: Path) -> str | None:
-    import json
-
-    try:
-        return json.loads((out / "manifest.json").read_text()).get("run_id")
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
-def _import_reused(folders: list[Path], out: Path, cases: list[Case], agent_fp: str, mode: str) -> int:
-    """Copy into `out/utilities` the rows of earlier runs (`--reuse`) whose key this run needs and does not hold yet,
-    so the new folder is complete on its own. Returns the number of rows copied."""
-    files = [f for folder in folders for f in sorted((folder / "utilities").glob("*.parquet"))]
-    if not files or not cases:
-        return 0
-    import polars as pl
-
-    wanted = pl.DataFrame({"pool_id": [c.query.pool_id for c in cases], "query_id": [c.query.query_id for c in cases],
-                           "context_hash": [c.context.context_hash for c in cases]})
-    df = (
-        pl.scan_parquet(files)
-        .filter((pl.col("agent") == agent_fp) & (pl.col("utility_mode") == mode) & pl.col("utility").is_finite())
-        .join(wanted.lazy(), on=["pool_id", "query_id", "context_hash"], how="semi")
-        .unique(subset=list(UTILITY_KEY), keep="first", maintain_order=True)
-        .collect()
-    )
-    own = sorted((out / "utilities").glob("*.parquet"))
-    if own and df.height:
-        have = pl.scan_parquet(own).select(list(UTILITY_KEY)).collect()
-        df = df.join(have, on=list(UTILITY_KEY), how="anti")
-    if df.height:
-        (out / "utilities").mkdir(parents=True, exist_ok=True)
-        writer.write_part(df.to_arrow().cast(UTILITIES), out / "utilities")
-    return df.height
 
 
 class Scheduler:
@@ -292,13 +236,14 @@ class _Evaluation:
             self.bar.update(1)
 
 
-def _open_run(out: Path, config: AuditConfig, agent_fp: str, input_files: list[str]) -> tuple[str, list[dict], str | None]:
+def _open_run(out: Path, config: AuditConfig, agent_fp: str,
+              input_files: list[str]) -> tuple[str, list[dict], str | None]:
     """(run_id, inputs with their hashes, the run whose reductions `out` holds). Marks `out` as running."""
     inputs = [{"path": str(p), "sha256": sha256_file(p)} for p in input_files]
     run_id = fingerprint({"config": asdict(config), "inputs": [i["sha256"] for i in inputs], "agent": agent_fp})
     out.mkdir(parents=True, exist_ok=True)
     writer.recover_swaps(out, DATASET_NAMES)
-    previous_run = _previous_run(out)
+    previous_run = previous_run_id(out)
     if previous_run and previous_run != run_id:  # utilities are kept by key; the reductions are replaced
         log.warning("%s: replacing the reductions of run %s (other settings or inputs) with run %s; its utilities "
                     "stay and are reused where their key matches", out, previous_run, run_id)
@@ -360,8 +305,9 @@ def run_audit(
     cases = make_cases(queries, contexts, config.seed)
     timings["retrieval_s"] = time.perf_counter() - t
 
-    imported = _import_reused([Path(r) for r in (reuse or [])], out, cases, agent_fingerprint, config.utility)
-    previous = _previous_utilities([out], agent_fingerprint, config.utility)
+    keys = [(c.query.pool_id, c.query.query_id, c.context.context_hash) for c in cases]
+    imported = import_reused([Path(r) for r in (reuse or [])], out, keys, agent_fingerprint, config.utility)
+    previous = previous_utilities([out], agent_fingerprint, config.utility)
     utilities = writer.PartWriter(out / "utilities", UTILITIES, flush_rows=flush_rows)
     ev = _Evaluation(cases, config, run_id, agents, agent_fingerprint, utilities, progress)
     t = time.perf_counter()

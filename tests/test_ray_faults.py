@@ -14,6 +14,7 @@ from pipeline.agents import AgentSpec
 from pipeline.cli import main
 from pipeline.errors import AgentStartError
 from pipeline.ray_exec import RayPool, start_agent_pool
+from data_paths import LOCOMO
 from test_audit_local import audit
 from test_resume_and_out import _assert_same_outputs
 
@@ -62,3 +63,24 @@ def test_agent_that_cannot_start_inside_an_actor_is_one_line(ray_session):
     with pytest.raises(AgentStartError, match=r"^agent 'reader': unknown key\(s\) \['nope'\]") as info:
         start_agent_pool(AgentSpec("reader", {"nope": 1}), actors=1)
     assert info.value.exit_code == 2 and "\n" not in str(info.value)
+
+
+def test_bad_agent_option_under_ray_is_one_line_from_the_driver(ray_session, tmp_path, capsys):
+    """The driver validates agent options against the agent's config class when it makes the spec: exit 2, one line
+    naming the flag (only the driver's check names it; an actor would not) and nothing written."""
+    rc = main(["audit", "--executor", "ray", "--out", str(tmp_path / "o"), "--agent-option", "nope=1",
+               "--dense", "off", "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert "agent 'reader' (--agent-option): unknown key(s) ['nope']" in err, err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.skipif(not LOCOMO.exists(), reason="LoCoMo is not beside the checkout")
+def test_bad_agent_option_under_ray_eval_is_one_line(ray_session, tmp_path, capsys):
+    rc = main(["eval", "--locomo", str(LOCOMO), "--conversations", "conv-26", "--executor", "ray",
+               "--agent-option", "nope=1", "--dense", "off", "--out", str(tmp_path / "e"), "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert "agent 'reader' (--agent-option): unknown key(s) ['nope']" in err, err
+    assert not (tmp_path / "e").exists()

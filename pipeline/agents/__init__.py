@@ -1,5 +1,6 @@
-"""Agents answer batches of coalitions. `build_agent` turns a validated `AgentSpec` into an agent (lazily importing
-heavy engines only for the agent asked for)."""
+"""Agents answer batches of coalitions. `checked_spec` makes an `AgentSpec` whose options were validated against the
+agent's config class; `build_agent` turns a spec into an agent (lazily importing heavy engines only for the agent asked
+for)."""
 
 from __future__ import annotations
 
@@ -53,5 +54,5 @@ def build_agent(spec: AgentSpec) -> Agent:
     return TransformersAgent(config)
 
 
-__all__ = ["AGENTS", "AGENT_CONFIGS", "Agent", "AgentRequest", "AgentResponse", "AgentSpec", "agent_config", "build_agent",
-           "checked_spec"]
+__all__ = ["AGENTS", "AGENT_CONFIGS", "Agent", "AgentRequest", "AgentResponse", "AgentSpec", "agent_config",
+           "build_agent", "checked_spec"]

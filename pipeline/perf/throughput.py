@@ -1,7 +1,8 @@
 """Agent throughput: the Ray audit pipeline against a bare vLLM `LLM.generate` loop over the same batches of prompts.
 
 (a) pipeline: the real driver (`run_audit`: scheduling, streamed Parquet, per-case reductions) over a Ray pool of
-    agents (`pipeline.ray_exec.start_agent_pool`) whose actor runs `VLLMAgent`. Every batch the driver sends is recorded.
+    agents (`pipeline.ray_exec.start_agent_pool`) whose actor runs `VLLMAgent`. Every batch the driver sends is
+    recorded.
 (b) bare: one in-process `vllm.LLM` built with the agent's own engine arguments (`engine_kwargs`) that runs `generate`
     over exactly the recorded batches with the agent's own SamplingParams (`engine_jobs`), as a user's own loop would:
     each batch's prompts rendered as text (`prompts.build_prompt`) and tokenised by `LLM.generate`, inside the clock.
