@@ -92,7 +92,7 @@ def cluster_session(num_cpus: int | None = None, temp_dir: str | None = None) ->
     if ray.is_initialized():
         yield
         return
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage reports unless asked for (no internet here)
     if os.environ.get("RAY_ADDRESS"):
         ray.init(log_to_driver=True)
         log.info("joined Ray cluster at %s", os.environ["RAY_ADDRESS"])
