@@ -16,7 +16,8 @@ from pathlib import Path
 import polars as pl
 
 from pipeline.audit import AuditConfig, run_audit
-from pipeline.executors import LocalExecutor
+from pipeline.evaluate import AgentWorker
+from pipeline.pools import LocalPool
 from pipeline.io.locomo import load_locomo
 
 
@@ -35,7 +36,7 @@ def main() -> None:
     rows = {}
     for est in ("exact", "adaptive"):
         cfg = AuditConfig(top_k=args.top_k, estimator=est, permutations=args.cap, dense="off", executor="local")
-        ex = LocalExecutor(cfg.agent_spec, cfg.utility)
+        ex = LocalPool(AgentWorker(cfg.agent_spec))
         t = time.perf_counter()
         res = run_audit(pools, queries, cfg, out / est, ex, f"reader-{est}", progress=False)
         wall = time.perf_counter() - t

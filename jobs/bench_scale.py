@@ -27,8 +27,7 @@ def _size(folder: Path) -> int:
 
 
 def run_phase(args: argparse.Namespace, phase: str) -> dict:
-    from pipeline.audit import AuditConfig
-    from pipeline.runner import InputSpec, audit
+    from pipeline.audit import AuditConfig, InputSpec, audit
 
     root = Path(args.out)
     mem, qry = root / "pool" / "memories.jsonl", root / "pool" / "queries.jsonl"

@@ -15,7 +15,7 @@ import time
 
 from pipeline.cli import print_summary, safe
 from pipeline.errors import EXIT_CASE_ERRORS, EXIT_INTERRUPTED, MeClearError
-from pipeline.runner import audit, load_job_config
+from pipeline.audit import audit, load_job_config
 
 
 def main(argv: list[str] | None = None) -> int:

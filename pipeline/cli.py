@@ -48,7 +48,7 @@ def _agent_options(args: argparse.Namespace) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pipeline.runner import InputSpec
+    from pipeline.audit import InputSpec
     from pipeline.settings import AuditConfig
 
     d, i = AuditConfig(), InputSpec()  # defaults are declared once, on the settings dataclasses
@@ -129,7 +129,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
-    from pipeline.runner import InputSpec, audit
+    from pipeline.audit import InputSpec, audit
     from pipeline.settings import AuditConfig
 
     inputs = InputSpec(
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     except MeClearError as exc:
         print(f"meclear: error: {safe(exc)}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:  # the runner's finally blocks have shut the agents down and released the lock
+    except KeyboardInterrupt:  # pipeline.audit's finally blocks have shut the agents down and released the lock
         print("meclear: interrupted; agents shut down", file=sys.stderr)
         return EXIT_INTERRUPTED
 

@@ -1,20 +1,23 @@
-"""The one module that knows Ray: an actor pool of agents behind the `Executor` contract.
+"""The one module that knows Ray: a generic actor pool (`RayPool`) and one context manager that starts or joins Ray.
 
-Each actor builds its agent once (an LLM engine is started once per actor) and answers tasks: lists of whole cases'
-coalitions. The driver keeps a few tasks in flight per actor so engines stay busy, and pins a case's second pass to the
-actor that ran its first (that actor's prefix cache holds the case's prompt prefix). `ray.init()` joins the cluster
-named by RAY_ADDRESS (set by `ray job submit`) and otherwise starts a local, embedded Ray.
+The audit's agents (`start_agent_pool`: `pipeline.evaluate.AgentWorker` actors) and the benchmark's workers
+(`pipeline.bench.run.BenchWorker`) are both `RayPool`s, with the `pipeline.pools.WorkerPool` contract that
+`pipeline.pools.LocalPool` also has. Each actor builds its worker once (an LLM engine is started once per actor).
+`cluster_session()` joins the cluster named by RAY_ADDRESS (set by `ray job submit`) and otherwise starts a local,
+embedded Ray that it shuts down again.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Mapping
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping, Sequence
 
-from pipeline.agents import AgentSpec, build_agent
-from pipeline.errors import AgentStartError, ConfigError, MeClearError, ResourceError
-from pipeline.stage import ItemResult, WorkItem, evaluate_items
+from pipeline.agents import AgentSpec
+from pipeline.errors import ConfigError, ResourceError
+from pipeline.evaluate import AgentWorker, agent_fingerprint
+from pipeline.pools import map_calls
 
 log = logging.getLogger(__name__)
 
@@ -66,40 +69,30 @@ def pool_size(agent: str, actors: int, cpus_per_actor: float, gpus_per_actor: fl
 # Fault tolerance for system failures (a node lost, an actor process killed): Ray restarts a dead agent actor (its
 # __init__ rebuilds the agent) up to MAX_RESTARTS times and retries its unfinished tasks up to MAX_TASK_RETRIES times.
 # Tasks are idempotent (a coalition's utility depends on its key only), so a retried task cannot change a result.
-# Data failures (an agent error on one case, a NaN utility) are not retried: they go to errors/ (pipeline.audit).
+# Data failures (an agent error on one case, a NaN utility) are not retried: they go to errors/ (pipeline.driver).
 MAX_RESTARTS = 3
 MAX_TASK_RETRIES = 3
 
 
-def actor_options(agent: str, cpus_per_actor: float, gpus_per_actor: float, max_inflight: int = 1) -> dict:
-    """`ray.remote` options of an actor that builds `agent`: resources, concurrency, restarts, engine variables."""
-    options: dict = {"num_cpus": cpus_per_actor, "num_gpus": gpus_per_actor,
-                     "max_concurrency": max_inflight if agent in CONCURRENT_AGENTS else 1,
+def actor_options(cpus_per_actor: float, gpus_per_actor: float, max_concurrency: int = 1) -> dict:
+    """`ray.remote` options of a pool's actors: resources, concurrency, restarts, engine variables."""
+    options: dict = {"num_cpus": cpus_per_actor, "num_gpus": gpus_per_actor, "max_concurrency": max_concurrency,
                      "max_restarts": MAX_RESTARTS, "max_task_retries": MAX_TASK_RETRIES}
     if (runtime_env := agent_runtime_env()) is not None:
         options["runtime_env"] = runtime_env
     return options
 
 
-def close_actors(actors: list) -> None:
-    """Ask each actor to release its agent (engines shut down cleanly), then kill it whatever happened."""
-    import ray
-
-    try:
-        ray.get([a.close.remote() for a in actors], timeout=120)
-    except Exception as exc:  # noqa: BLE001 - a dead or stuck actor: it is killed below either way
-        log.warning("agent actors did not close cleanly (%s); killing them", type(exc).__name__)
-    finally:
-        for a in actors:
-            ray.kill(a)
-
-
-def init_ray(num_cpus: int | None = None, temp_dir: str | None = None) -> bool:
-    """Start or join Ray. Returns True when this call started it (the caller then shuts it down)."""
+@contextmanager
+def cluster_session(num_cpus: int | None = None, temp_dir: str | None = None) -> Iterator[None]:
+    """Start or join Ray for the body; shut it down after only if this call started it (a test session's or a
+    cluster's Ray stays up)."""
     import ray
 
     if ray.is_initialized():
-        return False
+        yield
+        return
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage reports unless asked for (no internet here)
     if os.environ.get("RAY_ADDRESS"):
         ray.init(log_to_driver=True)
         log.info("joined Ray cluster at %s", os.environ["RAY_ADDRESS"])
@@ -112,7 +105,10 @@ def init_ray(num_cpus: int | None = None, temp_dir: str | None = None) -> bool:
             kwargs["_temp_dir"] = temp_dir
         ray.init(**kwargs)
         log.info("started local Ray with %s CPUs", ray.cluster_resources().get("CPU"))
-    return True
+    try:
+        yield
+    finally:
+        ray.shutdown()
 
 
 def check_resources(n: int, cpus_per_actor: float, gpus_per_actor: float) -> None:
@@ -127,97 +123,77 @@ def check_resources(n: int, cpus_per_actor: float, gpus_per_actor: float) -> Non
                                 f"{have:g}; lower --actors or the per-actor {name} request")
 
 
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:500]
+class RayPool:
+    """`size` Ray actors, each running one `worker_cls(*args)`, with the `pipeline.pools.WorkerPool` contract.
 
+    `concurrent`: the worker's methods are thread-safe and leave the GIL free (see CONCURRENT_AGENTS), so an actor runs
+    up to `max_inflight` calls at once; otherwise its calls queue and run one by one.
+    """
 
-class AgentActor:
-    """Builds its agent once; evaluates tasks of WorkItems. A build failure is kept as one line (and its exit code)
-    and returned by `fingerprint`, so the driver reports it as such instead of an actor traceback."""
-
-    def __init__(self, spec: AgentSpec, utility_mode: str):
-        self.agent, self.error = None, None
-        try:
-            self.agent = build_agent(spec)
-        except MeClearError as exc:
-            self.error = (str(exc), exc.exit_code)
-        except Exception as exc:  # noqa: BLE001 - an engine that cannot start
-            self.error = (f"agent {spec.name!r} could not start: {_one_line(exc)}", 2)
-        self.utility_mode = utility_mode
-
-    def fingerprint(self) -> str | tuple[str, int]:
-        return self.error if self.agent is None else self.agent.fingerprint()
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def evaluate(self, items: list[WorkItem]) -> list[ItemResult]:
-        return evaluate_items(self.agent, items, self.utility_mode)
-
-    def close(self) -> None:
-        if self.agent is not None:
-            self.agent.close()
-
-
-class RayExecutor:
-    """An actor pool of agents. `actors=0` sizes the pool: one per free GPU (gpus_per_actor > 0), one LLM engine on a
-    CPU-only cluster, or one reader per free CPU."""
-
-    def __init__(
-        self,
-        spec: AgentSpec,
-        utility_mode: str,
-        actors: int = 0,
-        cpus_per_actor: float = 1.0,
-        gpus_per_actor: float = 0.0,
-        max_inflight: int = 2,
-        startup_timeout_s: float = 1800.0,
-    ):
+    def __init__(self, worker_cls: type, args: tuple = (), size: int = 1, *, cpus_per_actor: float = 1.0,
+                 gpus_per_actor: float = 0.0, max_inflight: int = 1, concurrent: bool = False):
         import ray
 
         self.ray = ray
-        actors = pool_size(spec.name, actors, cpus_per_actor, gpus_per_actor)
-        check_resources(actors, cpus_per_actor, gpus_per_actor)
-        free = ray.available_resources().get("CPU", 0.0)
-        if actors * cpus_per_actor > free + 1e-9:
-            log.warning("waiting for %g free CPUs for %d agent actors (%g free now; timeout %.0f s)",
-                        actors * cpus_per_actor, actors, free, startup_timeout_s)
-        options = actor_options(spec.name, cpus_per_actor, gpus_per_actor, max_inflight)
-        remote = ray.remote(**options)(AgentActor)
-        self.actors = [remote.remote(spec, utility_mode) for _ in range(actors)]
-        self.n_workers, self.max_inflight = len(self.actors), max_inflight
-        try:  # also waits for every agent to be built
-            built = ray.get([a.fingerprint.remote() for a in self.actors], timeout=startup_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            self.close()
-            raise ResourceError(f"ray executor: {actors} agent actors not started within {startup_timeout_s:.0f} s "
-                                "(resources busy or engines slow to build)") from None
-        except BaseException:
-            self.close()
-            raise
-        failures = [b for b in built if isinstance(b, (tuple, list))]
-        if failures:
-            self.close()
-            message, code = failures[0]
-            err = AgentStartError(message)
-            err.exit_code = code
-            raise err
-        fps = set(built)
-        if len(fps) != 1:
-            raise ConfigError(f"ray executor: actors built different agents {sorted(fps)}; check the agent settings")
-        self.fingerprint = fps.pop()
-        self._refs: dict = {}
-        log.info("actor pool: %d x %s", self.n_workers, self.fingerprint)
+        options = actor_options(cpus_per_actor, gpus_per_actor, max_inflight if concurrent else 1)
+        remote = ray.remote(**options)(worker_cls)
+        self.actors = [remote.remote(*args) for _ in range(size)]
+        self.n_workers, self.max_inflight = size, max_inflight
+        self._refs: dict = {}  # object ref of a call in flight -> its worker
 
-    def submit(self, worker: int, items: list[WorkItem]) -> None:
-        self._refs[self.actors[worker].evaluate.remote(items)] = worker
+    def submit(self, worker: int, method: str, *args: Any) -> None:
+        self._refs[getattr(self.actors[worker], method).remote(*args)] = worker
 
-    def next_done(self) -> tuple[int, list[ItemResult]]:
+    def next_done(self) -> tuple[int, Any]:
         ready, _ = self.ray.wait(list(self._refs), num_returns=1)
         worker = self._refs.pop(ready[0])
         return worker, self.ray.get(ready[0])
 
+    def call_all(self, method: str, *args: Any, timeout_s: float | None = None) -> list:
+        """`method(*args)` on every actor; raises TimeoutError when they have not all answered within `timeout_s`."""
+        try:
+            return self.ray.get([getattr(a, method).remote(*args) for a in self.actors], timeout=timeout_s)
+        except self.ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"{method} not answered by {len(self.actors)} actors within {timeout_s} s") from None
+
+    def map(self, method: str, items: Sequence[Any], pins: Sequence[int | None] | None = None) -> Iterator[Any]:
+        return map_calls(self, method, items, pins)
+
     def close(self) -> None:
+        """Ask each actor to close its worker (engines shut down cleanly), then kill it whatever happened."""
         actors, self.actors = self.actors, []
-        close_actors(actors)
+        try:
+            self.ray.get([a.close.remote() for a in actors], timeout=120)
+        except Exception as exc:  # noqa: BLE001 - a dead or stuck actor: it is killed below either way
+            log.warning("actors did not close cleanly (%s); killing them", type(exc).__name__)
+        finally:
+            for a in actors:
+                self.ray.kill(a)
+
+
+def start_agent_pool(spec: AgentSpec, actors: int = 0, cpus_per_actor: float = 1.0, gpus_per_actor: float = 0.0,
+                     max_inflight: int = 2, startup_timeout_s: float = 1800.0,
+                     pool_cls: type[RayPool] = RayPool) -> tuple[RayPool, str]:
+    """A pool of agent actors (`AgentWorker`s), sized by `pool_size`, started and checked: returns (pool, the agents'
+    fingerprint). The driver keeps `max_inflight` tasks in flight per actor so engines stay busy."""
+    actors = pool_size(spec.name, actors, cpus_per_actor, gpus_per_actor)
+    check_resources(actors, cpus_per_actor, gpus_per_actor)
+    import ray
+
+    free = ray.available_resources().get("CPU", 0.0)
+    if actors * cpus_per_actor > free + 1e-9:
+        log.warning("waiting for %g free CPUs for %d agent actors (%g free now; timeout %.0f s)",
+                    actors * cpus_per_actor, actors, free, startup_timeout_s)
+    pool = pool_cls(AgentWorker, (spec,), actors, cpus_per_actor=cpus_per_actor, gpus_per_actor=gpus_per_actor,
+                    max_inflight=max_inflight, concurrent=spec.name in CONCURRENT_AGENTS)
+    try:  # also waits for every agent to be built
+        fingerprint = agent_fingerprint(pool.call_all("fingerprint", timeout_s=startup_timeout_s))
+    except TimeoutError:
+        pool.close()
+        raise ResourceError(f"ray executor: {actors} agent actors not started within {startup_timeout_s:.0f} s "
+                            "(resources busy or engines slow to build)") from None
+    except BaseException:
+        pool.close()
+        raise
+    log.info("actor pool: %d x %s", pool.n_workers, fingerprint)
+    return pool, fingerprint

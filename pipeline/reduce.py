@@ -81,6 +81,39 @@ class CaseState:
     def evaluations(self) -> int:
         return int(np.count_nonzero(~np.isnan(self.values)))
 
+    @property
+    def complete(self) -> bool:
+        """Attributed, and every coalition its clearance needs is in: ready for `finalize`."""
+        return self.ranking is not None and not len(self.missing(clearance_coalitions(self.plan.k, self.ranking)))
+
+
+@dataclass(frozen=True)
+class Need:
+    """Coalitions a case needs evaluated next. `pin`: on the worker that ran its earlier passes (prefix-cache reuse)."""
+
+    masks: np.ndarray
+    stage: str  # "plan" or "clearance"
+    pin: bool
+
+
+def advance(state: CaseState, tau: float, z: float) -> Need | None:
+    """Move a case forward after new values arrived: its plan, then (adaptive) further rounds, then attribution and
+    the clearance's second pass. Returns the coalitions it needs next, or None: it is then either `complete` or
+    waiting for a pass in flight."""
+    if state.phi is not None:
+        return None
+    if len(need := state.missing(state.plan_coalitions())):
+        return Need(need, "plan", pin=False)
+    # Adaptive estimator: rounds of permutations. The smallest driver change is the one the clearance's second pass
+    # already uses: when a round is in, the case either stops (next_round returns nothing) or asks for the next
+    # round's missing prefixes, pinned to the worker that holds its earlier rounds (prefix-cache reuse); the case
+    # stays "in flight" until it stops, and everything after (attribute, clearance) is unchanged.
+    if len(need := state.next_round(tau, z)):
+        return Need(need, "plan", pin=True)
+    if len(need := attribute(state, tau)):
+        return Need(need, "clearance", pin=True)
+    return None
+
 
 def attribute(state: CaseState, tau: float) -> np.ndarray:
     """Shapley values (and SEs) from the plan's coalitions; returns the coalitions the clearance still needs."""

@@ -25,10 +25,7 @@ for _key, _value in engine_env_defaults().items():
 def ray_session():
     import ray
 
-    from pipeline.ray_exec import init_ray
+    from pipeline.ray_exec import cluster_session
 
-    temp = tempfile.mkdtemp(prefix="meclear-ray-")
-    started = init_ray(num_cpus=2, temp_dir=temp)
-    yield ray
-    if started:
-        ray.shutdown()
+    with cluster_session(num_cpus=2, temp_dir=tempfile.mkdtemp(prefix="meclear-ray-")):
+        yield ray

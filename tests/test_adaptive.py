@@ -7,16 +7,16 @@ import numpy as np
 import polars as pl
 import pytest
 
-from pipeline.audit import AuditConfig, run_audit
+from pipeline.audit import AuditConfig, InputSpec, run_audit
 from pipeline.cases import Case
 from pipeline.errors import ConfigError
-from pipeline.executors import LocalExecutor
+from pipeline.evaluate import AgentWorker
+from pipeline.pools import LocalPool
 from pipeline.game import make_plan, shapley_exact
 from pipeline.game.adaptive import separated, stop_reason
 from pipeline.io.records import Query
 from pipeline.reduce import CaseState, attribute
 from pipeline.retrieval import FrozenContext
-from pipeline.runner import InputSpec
 
 
 def table(k, v):
@@ -83,7 +83,7 @@ def test_stop_rule_minimum_and_cap():
 def test_adaptive_audit_reports_permutations_and_stop_reason(tmp_path):
     pools, queries, files = InputSpec().load()
     cfg = AuditConfig(executor="local", dense="off", estimator="adaptive", permutations=32, top_k=8)
-    ex = LocalExecutor(cfg.agent_spec, cfg.utility)
+    ex = LocalPool(AgentWorker(cfg.agent_spec))
     result = run_audit(pools, queries, cfg, tmp_path / "out", ex, "reader-test", files, progress=False)
     att = pl.read_parquet(tmp_path / "out" / "attributions")
     assert (att["estimator"] == "adaptive").all()

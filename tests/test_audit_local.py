@@ -10,9 +10,9 @@ import polars as pl
 import pytest
 
 from pipeline.agents.reader import ReaderAgent
-from pipeline.audit import AuditConfig, run_audit
-from pipeline.executors import LocalExecutor
-from pipeline.runner import InputSpec, sample_paths
+from pipeline.audit import AuditConfig, InputSpec, run_audit, sample_paths
+from pipeline.evaluate import AgentWorker
+from pipeline.pools import LocalPool
 
 
 class CountingAgent(ReaderAgent):
@@ -32,7 +32,7 @@ def audit(tmp_path, name="out", **overrides):
     pools, queries, files = InputSpec().load()
     cfg = AuditConfig(**({"executor": "local", "dense": "off"} | overrides))
     agent = CountingAgent()
-    ex = LocalExecutor(cfg.agent_spec, cfg.utility, agent=agent)
+    ex = LocalPool(AgentWorker(cfg.agent_spec, agent))
     result = run_audit(pools, queries, cfg, tmp_path / name, ex, agent.fingerprint(), files, progress=False)
     return result, agent
 

@@ -11,7 +11,7 @@ from pipeline.agents.reader import ReaderAgent
 from pipeline.bench.baselines import CachedOracle
 from pipeline.bench.builder import BenchCase, CachedAgent, position_ok, verify
 from pipeline.bench.methods import MethodConfig, control, run_case
-from pipeline.bench.oracle import CaseOracle
+from pipeline.bench.outcomes import CaseOutcomes
 from pipeline.cases import Case
 from pipeline.io.records import Query
 from pipeline.retrieval import FrozenContext
@@ -104,7 +104,7 @@ def test_case_answered_right_again_at_method_time_is_excluded():
 
 def test_controls_rank_all_memories_and_share_the_clearance():
     bc = bench_case(faults=(3,))
-    oracle = CaseOracle(ScriptedAgent(rule=lambda mems: any("FAULT2" in m for m in mems)), bc.case)
+    oracle = CaseOutcomes(ScriptedAgent(rule=lambda mems: any("FAULT2" in m for m in mems)), bc.case)
     got = {}
     for name in ("position", "random", "oracle"):
         ev = CachedOracle(5, oracle.mode("correct"))
@@ -123,7 +123,7 @@ def test_controls_rank_all_memories_and_share_the_clearance():
 def test_oracle_control_puts_every_fault_first(faults):
     bc = bench_case(faults=faults, mechanism="direct" if len(faults) == 1 else "redundant")
     rule = (lambda mems: "Ana: FAULT Gdansk." in mems) if len(faults) == 1 else (lambda m: any("FAULT" in x for x in m))
-    oracle = CaseOracle(ScriptedAgent(rule), bc.case)
+    oracle = CaseOutcomes(ScriptedAgent(rule), bc.case)
     out = control("oracle", 5, CachedOracle(5, oracle.mode("probability")), bc.case.seed, bc.fault_positions)
     assert set(out.full_ranking[: len(faults)]) == set(faults) and out.recovered
 

@@ -13,7 +13,7 @@ import polars as pl
 import pytest
 
 from pipeline.agents.reader import ReaderAgent
-from pipeline.audit import sha256_file
+from pipeline.provenance import sha256_file
 from pipeline.bench.builder import BuildConfig, build_pool, check_masks, passes, verify
 from pipeline.bench.faults import MECHANISMS
 from pipeline.bench.methods import expand_methods
@@ -146,7 +146,7 @@ def test_mechanism_checks_on_outcomes():
 
 def test_pool_index_equals_retriever_on_extended_pool():
     """Re-retrieval with injected records equals a full re-index of the pool copy (BM25; dense is the same formula)."""
-    from pipeline.runner import InputSpec
+    from pipeline.audit import InputSpec
 
     pools, queries, _ = InputSpec().load()
     index = PoolIndex(pools, dense="off")

@@ -11,10 +11,9 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.audit import AuditConfig, AuditResult
+from pipeline.audit import AuditConfig, AuditResult, InputSpec
 from pipeline.cli import build_parser, print_summary, safe
 from pipeline.progress import progress_bar
-from pipeline.runner import InputSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 

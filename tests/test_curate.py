@@ -9,10 +9,9 @@ from pathlib import Path
 import polars as pl
 import pyarrow.parquet as pq
 
-from pipeline.audit import AuditConfig
+from pipeline.audit import AuditConfig, InputSpec, audit, sample_paths
 from pipeline.cli import main
 from pipeline.curate import CURATION
-from pipeline.runner import InputSpec, audit, sample_paths
 
 FAST = AuditConfig(executor="local", dense="off")
 

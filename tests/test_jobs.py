@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import ConfigError
-from pipeline.runner import load_job_config
+from pipeline.audit import load_job_config
 
 JOBS = Path(__file__).resolve().parents[1] / "jobs" / "configs"
 

@@ -8,7 +8,7 @@ import shlex
 import yaml
 
 from data_paths import REPO
-from pipeline.runner import load_job_config
+from pipeline.audit import load_job_config
 
 KUBE = REPO / "cluster" / "kuberay"
 

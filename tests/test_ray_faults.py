@@ -9,19 +9,19 @@ import signal
 
 import pytest
 
-from pipeline.audit import AuditConfig, run_audit
+from pipeline.audit import AuditConfig, InputSpec, run_audit
 from pipeline.agents import AgentSpec
 from pipeline.cli import main
 from pipeline.errors import AgentStartError
-from pipeline.ray_exec import RayExecutor
-from pipeline.runner import InputSpec
+from pipeline.ray_exec import RayPool, start_agent_pool
+from data_paths import LOCOMO
 from test_audit_local import audit
 from test_resume_and_out import _assert_same_outputs
 
 pytestmark = pytest.mark.ray
 
 
-class KillingExecutor(RayExecutor):
+class KillingPool(RayPool):
     """After the first finished task, SIGKILLs the process of actor 0 while it still has tasks in flight."""
 
     def __init__(self, *args, **kwargs):
@@ -41,9 +41,9 @@ def test_agent_actor_killed_mid_run_restarts_and_outputs_match(ray_session, tmp_
     audit(tmp_path, "local", utility="correct", batch_size=32)
     pools, queries, files = InputSpec().load()
     cfg = AuditConfig(utility="correct", dense="off", batch_size=32, actors=2)
-    ex = KillingExecutor(AgentSpec("reader", {}), cfg.utility, actors=2)
+    ex, fingerprint = start_agent_pool(AgentSpec("reader", {}), actors=2, pool_cls=KillingPool)
     try:
-        result = run_audit(pools, queries, cfg, tmp_path / "ray", ex, ex.fingerprint, files, progress=False)
+        result = run_audit(pools, queries, cfg, tmp_path / "ray", ex, fingerprint, files, progress=False)
         assert ex.killed
         assert ray_session.get(ex.actors[0].pid.remote()) != ex.victim  # a restarted actor, a new process
     finally:
@@ -61,5 +61,26 @@ def test_more_actors_than_the_cluster_holds_fail_fast_with_one_line(ray_session,
 
 def test_agent_that_cannot_start_inside_an_actor_is_one_line(ray_session):
     with pytest.raises(AgentStartError, match=r"^agent 'reader': unknown key\(s\) \['nope'\]") as info:
-        RayExecutor(AgentSpec("reader", {"nope": 1}), "correct", actors=1)
+        start_agent_pool(AgentSpec("reader", {"nope": 1}), actors=1)
     assert info.value.exit_code == 2 and "\n" not in str(info.value)
+
+
+def test_bad_agent_option_under_ray_is_one_line_from_the_driver(ray_session, tmp_path, capsys):
+    """The driver validates agent options against the agent's config class when it makes the spec: exit 2, one line
+    naming the flag (only the driver's check names it; an actor would not) and nothing written."""
+    rc = main(["audit", "--executor", "ray", "--out", str(tmp_path / "o"), "--agent-option", "nope=1",
+               "--dense", "off", "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert "agent 'reader' (--agent-option): unknown key(s) ['nope']" in err, err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.skipif(not LOCOMO.exists(), reason="LoCoMo is not beside the checkout")
+def test_bad_agent_option_under_ray_eval_is_one_line(ray_session, tmp_path, capsys):
+    rc = main(["eval", "--locomo", str(LOCOMO), "--conversations", "conv-26", "--executor", "ray",
+               "--agent-option", "nope=1", "--dense", "off", "--out", str(tmp_path / "e"), "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert "agent 'reader' (--agent-option): unknown key(s) ['nope']" in err, err
+    assert not (tmp_path / "e").exists()

@@ -8,7 +8,7 @@ import polars as pl
 import pytest
 
 from pipeline.cli import main
-from pipeline.runner import InputSpec
+from pipeline.audit import InputSpec
 from pipeline.schemas import DATASETS
 
 pytestmark = pytest.mark.ray

@@ -14,10 +14,9 @@ from matplotlib.image import imread
 
 from chromium import dump_dom, needs_chromium, screenshot
 from data_paths import LOCOMO
-from pipeline.audit import AuditConfig
+from pipeline.audit import AuditConfig, InputSpec, audit, sample_paths
 from pipeline.cli import main
 from pipeline.report.page import json_for_script
-from pipeline.runner import InputSpec, audit, sample_paths
 
 FAST = AuditConfig(executor="local", dense="off")
 PAYLOAD = ("<script>alert(1)</script> "

@@ -17,7 +17,7 @@ import pytest
 
 from pipeline.cli import main
 from pipeline.io.outdir import OutLock
-from pipeline.runner import sample_paths
+from pipeline.audit import sample_paths
 from test_audit_local import audit
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,9 +27,9 @@ KEY = ["pool_id", "query_id", "context_hash", "coalition", "agent", "utility_mod
 DYING_DRIVER = """
 import os, signal, sys
 from pipeline.agents.reader import ReaderAgent
-from pipeline.audit import AuditConfig, run_audit
-from pipeline.executors import LocalExecutor
-from pipeline.runner import InputSpec
+from pipeline.audit import AuditConfig, InputSpec, run_audit
+from pipeline.evaluate import AgentWorker
+from pipeline.pools import LocalPool
 
 class Dying(ReaderAgent):
     batches = 0
@@ -42,7 +42,7 @@ class Dying(ReaderAgent):
 pools, queries, files = InputSpec().load()
 cfg = AuditConfig(executor="local", dense="off", utility="correct", batch_size=32)
 agent = Dying()
-run_audit(pools, queries, cfg, sys.argv[1], LocalExecutor(cfg.agent_spec, cfg.utility, agent=agent),
+run_audit(pools, queries, cfg, sys.argv[1], LocalPool(AgentWorker(cfg.agent_spec, agent)),
           agent.fingerprint(), files, progress=False, flush_rows=1)
 """
 
@@ -210,9 +210,9 @@ def test_ctrl_c_closes_the_agent_releases_the_lock_and_exits_130(tmp_path):
 
 def test_an_agent_error_on_one_query_goes_to_errors_and_the_rest_finish(tmp_path):
     from pipeline.agents.reader import ReaderAgent
-    from pipeline.audit import AuditConfig, run_audit
-    from pipeline.executors import LocalExecutor
-    from pipeline.runner import InputSpec
+    from pipeline.audit import AuditConfig, InputSpec, run_audit
+    from pipeline.evaluate import AgentWorker
+    from pipeline.pools import LocalPool
 
     class FailsOnOne(ReaderAgent):
         def answer_batch(self, requests):
@@ -223,7 +223,7 @@ def test_an_agent_error_on_one_query_goes_to_errors_and_the_rest_finish(tmp_path
     pools, queries, files = InputSpec().load()
     cfg = AuditConfig(executor="local", dense="off", utility="correct", batch_size=64)
     agent = FailsOnOne()
-    result = run_audit(pools, queries, cfg, tmp_path / "o", LocalExecutor(cfg.agent_spec, cfg.utility, agent=agent),
+    result = run_audit(pools, queries, cfg, tmp_path / "o", LocalPool(AgentWorker(cfg.agent_spec, agent)),
                        agent.fingerprint(), files, progress=False)
     failing = {q.query_id for q in queries if "allergic" in q.question}
     errors = pl.read_parquet(tmp_path / "o" / "errors")

@@ -19,18 +19,30 @@ from pipeline.text import exact_match, gold_index, token_f1
 UTILITY_MODES = ("probability", "correct")
 
 
-def score(response: AgentResponse, options: Sequence[str], gold: str, mode: str) -> tuple[float, bool]:
-    """(utility, correct) of one response."""
-    if mode not in UTILITY_MODES:
-        raise ValueError(f"utility mode {mode!r} is not one of {UTILITY_MODES}")
+def outcome(response: AgentResponse, options: Sequence[str], gold: str) -> tuple[float, bool]:
+    """(P(gold option) -- mean token-F1 of the answers for open questions --, correct) of one response. Both utility
+    modes are read off this pair (`in_mode`), so a response is scored once whatever the mode."""
     if options:
         g = gold_index(options, gold)
         probs = response.option_probs
         p_gold = float(probs[g])
-        correct = all(p_gold > p for i, p in enumerate(probs) if i != g)
-        utility = p_gold
-    else:
-        correct = exact_match(response.answer, gold)
-        answers = (response.answer, *response.samples)
-        utility = sum(token_f1(a, gold) for a in answers) / len(answers)
-    return (float(correct) if mode == "correct" else utility), correct
+        return p_gold, all(p_gold > p for i, p in enumerate(probs) if i != g)
+    answers = (response.answer, *response.samples)
+    return sum(token_f1(a, gold) for a in answers) / len(answers), exact_match(response.answer, gold)
+
+
+def in_mode(probability, correct, mode: str):
+    """The utility in `mode` of (probability, correct) as `outcome` gives them: scalars or numpy arrays alike."""
+    if mode not in UTILITY_MODES:
+        raise ValueError(f"utility mode {mode!r} is not one of {UTILITY_MODES}")
+    if mode == "probability":
+        return probability
+    return correct.astype(float) if hasattr(correct, "astype") else float(correct)
+
+
+def score(response: AgentResponse, options: Sequence[str], gold: str, mode: str) -> tuple[float, bool]:
+    """(utility in `mode`, correct) of one response."""
+    if mode not in UTILITY_MODES:
+        raise ValueError(f"utility mode {mode!r} is not one of {UTILITY_MODES}")
+    probability, correct = outcome(response, options, gold)
+    return in_mode(probability, correct, mode), correct

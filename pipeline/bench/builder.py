@@ -37,7 +37,7 @@ import numpy as np
 from pipeline.agents.base import Agent, AgentRequest, AgentResponse
 from pipeline.agents.utility import score
 from pipeline.bench.faults import MECHANISMS, STRONG_TEMPLATES, FaultSpec, content_words, fault_memories, fault_specs
-from pipeline.bench.oracle import CaseOracle
+from pipeline.bench.outcomes import CaseOutcomes
 from pipeline.bench.reretrieval import PoolIndex
 from pipeline.cases import Case, case_seed
 from pipeline.game.plan import full_mask
@@ -187,7 +187,7 @@ def verify(agent: Agent, case: BenchCase) -> bool:
     """Re-check a case's mechanism under `agent`, cheapest condition first: N must be wrong (one call), then N minus F
     right (one call), then the single removals (redundant, joint) in one batch; stops at the first failure."""
     masks = check_masks(case.mechanism, case.case.k, case.fault_positions)
-    oracle = CaseOracle(agent, case.case)
+    oracle = CaseOutcomes(agent, case.case)
     if bool(oracle.outcome(np.array(masks[:1]))[0]) or not bool(oracle.outcome(np.array(masks[1:2]))[0]):
         return False
     return passes(case.mechanism, oracle.outcome(np.array(masks)).tolist())

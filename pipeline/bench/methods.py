@@ -2,7 +2,7 @@
 
 Every method sees the case only through a counting oracle (`CachedOracle`) in one utility mode, so its reported
 `evaluations` are the distinct coalitions it asked for, clearance checks included. The agent itself answers each
-coalition once per case (`CaseOracle`); both utility modes and all methods read from that table.
+coalition once per case (`CaseOutcomes`); both utility modes and all methods read from that table.
 
 - meclear_l{L}: L permutations forced (make_plan(..., estimator="permutation")), plus the LOO coalitions the plan
   always holds; meclear_exact: all 2^K coalitions. Shapley values, harmful ranking (phi < -tau, ties by LOO), nested
@@ -32,7 +32,7 @@ from pipeline.agents.base import Agent
 from pipeline.bench.baselines import CachedOracle, context_cite, loo, proxyspex, relevance_filter
 from pipeline.bench.builder import BenchCase
 from pipeline.bench.metrics import full_ranking
-from pipeline.bench.oracle import CaseOracle
+from pipeline.bench.outcomes import CaseOutcomes
 from pipeline.errors import ConfigError
 from pipeline.game import harmful_ranking, make_plan, select_clearance, shapley_exact, shapley_permutation
 from pipeline.game.attribution import loo_effects
@@ -186,7 +186,7 @@ def _lexical_relevance(question: str, texts: tuple[str, ...]) -> np.ndarray:
     return np.array([len(q & set(tokens(t))) / max(len(q), 1) for t in texts])
 
 
-def run_method(method: Method, bc: BenchCase, agent: Agent, oracle: CaseOracle, utility: str, cfg: MethodConfig,
+def run_method(method: Method, bc: BenchCase, agent: Agent, oracle: CaseOutcomes, utility: str, cfg: MethodConfig,
                drop: list[int] | None = None) -> Outcome:
     """One method on one case in one utility mode. `drop`: the LLM filter's answer (mode-independent, asked once)."""
     case, k, family = bc.case, bc.case.k, method.family
@@ -235,7 +235,7 @@ def run_case(bc: BenchCase, agent: Agent, methods: tuple[str, ...], utilities: t
     full context now comes back correct has nothing to recover, so it is excluded from every method's metrics.
     """
     parsed = [Method.parse(m) for m in methods]
-    oracle = CaseOracle(agent, bc.case)
+    oracle = CaseOutcomes(agent, bc.case)
     if bool(oracle.outcome(np.array([full_mask(bc.case.k)]))[0]):
         return None
     if Method("meclear") in parsed:

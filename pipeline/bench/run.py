@@ -12,12 +12,13 @@ each conversation stops trying a mechanism once it has max_cases of them, and th
 from __future__ import annotations
 
 import logging
-import os
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Iterator
 
-from pipeline.agents import build_agent
+from pipeline.agents import build_agent, checked_spec
 from pipeline.bench.builder import (
     BenchCase,
     BuildResult,
@@ -30,6 +31,8 @@ from pipeline.bench.config import EvalConfig
 from pipeline.bench.faults import MECHANISMS
 from pipeline.bench.methods import run_case
 from pipeline.errors import ConfigError
+from pipeline.pools import LocalPool, WorkerPool
+from pipeline.provenance import sha256_file
 from pipeline.validation import fingerprint
 
 log = logging.getLogger(__name__)
@@ -103,90 +106,70 @@ class EvalResult:
     conversations_run: int = 0
 
 
-class _LocalPool:
-    """One BenchWorker in this process, with torch and the BLAS/OpenMP pools held to `threads` threads (None: left as
-    they are, for LLM agents whose inference wants every core).
+@contextmanager
+def _threads_held(threads: int | None) -> Iterator[None]:
+    """Torch and the BLAS/OpenMP pools of this process held to `threads` threads (None: left as they are, for LLM
+    agents whose inference wants every core); undone on exit.
 
     Why: on the 2-vCPU machines this was measured on, MiniLM with 2 torch threads was no faster than with 1, and its
     OpenMP workers spin between calls, slowing the Python work in between (BM25, checks, sklearn) more than twofold:
-    building conv-30 took 36 s with the default pools and 15.5 s with one thread. The limits are undone on close.
+    building conv-30 took 36 s with the default pools and 15.5 s with one thread.
     """
+    limits = torch_threads = None
+    if threads is not None:
+        try:  # threadpoolctl comes with scikit-learn (the `eval` extra)
+            from threadpoolctl import threadpool_limits
 
-    def __init__(self, config: EvalConfig, threads: int | None = 1, progress: bool = False):
-        self._limits = self._torch_threads = None
-        if threads is not None:
-            try:  # threadpoolctl comes with scikit-learn (the `eval` extra)
-                from threadpoolctl import threadpool_limits
-
-                self._limits = threadpool_limits(threads)
-            except ImportError:
-                pass
-            try:
-                import torch
-
-                self._torch_threads = torch.get_num_threads()
-                torch.set_num_threads(threads)
-            except ImportError:
-                pass
-        self.worker = BenchWorker(config, progress)
-        self.n = 1
-
-    def map(self, method: str, args: list):
-        for a in args:
-            yield getattr(self.worker, method)(a)
-
-    def call(self, method: str):
-        return getattr(self.worker, method)()
-
-    def close(self) -> None:
-        self.worker.close()
-        if self._limits is not None:
-            self._limits.restore_original_limits()
-        if self._torch_threads is not None:
+            limits = threadpool_limits(threads)
+        except ImportError:
+            pass
+        try:
             import torch
 
-            torch.set_num_threads(self._torch_threads)
+            torch_threads = torch.get_num_threads()
+            torch.set_num_threads(threads)
+        except ImportError:
+            pass
+    try:
+        yield
+    finally:
+        if limits is not None:
+            limits.restore_original_limits()
+        if torch_threads is not None:
+            import torch
+
+            torch.set_num_threads(torch_threads)
 
 
-class _RayPool:
-    """Ray actors running BenchWorker; `map` yields results as they finish, keeping each actor busy."""
+@contextmanager
+def _workers(config: EvalConfig, progress: bool) -> Iterator[WorkerPool]:
+    """The benchmark's BenchWorkers: one in this process (executor 'local', its threads held, see `_threads_held`),
+    or a pool of Ray actors (starting or joining Ray); closed, and Ray stopped if this started it, on exit."""
+    if config.executor == "local":
+        with _threads_held(1 if config.agent == "reader" else None):  # LLMs keep their threads
+            pool = LocalPool(BenchWorker(config, progress))
+            try:
+                yield pool
+            finally:
+                pool.close()
+        return
+    from pipeline.ray_exec import RayPool, cluster_session, pool_size
 
-    def __init__(self, config: EvalConfig):
-        import ray
+    with cluster_session():
+        pool = RayPool(BenchWorker, (config,), pool_size(config.agent, config.actors, 1.0, config.gpus_per_actor),
+                       gpus_per_actor=config.gpus_per_actor)
+        try:
+            yield pool
+        finally:
+            pool.close()
 
-        self.ray = ray
-        from pipeline.ray_exec import actor_options, pool_size
 
-        n = pool_size(config.agent, config.actors, 1.0, config.gpus_per_actor)
-        remote = ray.remote(**actor_options(config.agent, 1.0, config.gpus_per_actor))(BenchWorker)
-        self.actors = [remote.remote(config) for _ in range(n)]
-        self.n = n
-
-    def map(self, method: str, args: list):
-        todo = list(enumerate(args))[::-1]
-        running = {}
-        for actor in self.actors:
-            if todo:
-                i, a = todo.pop()
-                running[getattr(actor, method).remote(a)] = actor
-        while running:
-            [ref], _ = self.ray.wait(list(running), num_returns=1)
-            actor = running.pop(ref)
-            if todo:
-                i, a = todo.pop()
-                running[getattr(actor, method).remote(a)] = actor
-            yield self.ray.get(ref)
-
-    def call(self, method: str):
-        values = self.ray.get([getattr(a, method).remote() for a in self.actors])
-        if len(set(values)) != 1:
-            raise ConfigError(f"ray executor: actors disagree on {method}: {sorted(set(values))}")
-        return values[0]
-
-    def close(self) -> None:
-        from pipeline.ray_exec import close_actors
-
-        close_actors(self.actors)
+def _agreed(pool: WorkerPool, method: str):
+    """`method()` of the workers, which must all give the same value."""
+    values = pool.call_all(method)
+    if len(set(values)) != 1:
+        raise ConfigError(f"ray executor: actors disagree on {method}: {sorted(set(values))}")
+    return values[0]
 
 
 def run_benchmark(config: EvalConfig, conversations: list[str], progress: bool = True) -> EvalResult:
@@ -195,18 +178,9 @@ def run_benchmark(config: EvalConfig, conversations: list[str], progress: bool =
 
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
-    started = False
-    if config.executor == "ray":
-        from pipeline.ray_exec import init_ray
-
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        started = init_ray()
-        pool = _RayPool(config)
-    else:
-        pool = _LocalPool(config, threads=1 if config.agent == "reader" else None,  # LLMs keep their threads
-                          progress=progress)
-    try:
-        fp = pool.call("fingerprint")
+    checked_spec(config.agent, config.agent_options)  # one line in the driver, not a traceback from a worker
+    with _workers(config, progress) as pool:
+        fp = _agreed(pool, "fingerprint")
         timings["startup_s"] = time.perf_counter() - t0
 
         t = time.perf_counter()
@@ -237,13 +211,7 @@ def run_benchmark(config: EvalConfig, conversations: list[str], progress: bool =
             bar.update(len(part))
         bar.close()
         timings["methods_s"] = time.perf_counter() - t
-        retrieval = pool.call("retrieval_mode")
-    finally:
-        pool.close()
-        if started:
-            import ray
-
-            ray.shutdown()
+        retrieval = _agreed(pool, "retrieval_mode")
     counts = {m: MechanismCount() for m in MECHANISMS}
     for r in built.values():
         for m, c in r.counts.items():
@@ -272,7 +240,6 @@ def evaluate(config: EvalConfig, out: str | Path, progress: bool = True) -> dict
     Nothing is written until the inputs have been read and checked; every file is written atomically.
     Returns the summary (as written to summary.json).
     """
-    from pipeline.audit import sha256_file
     from pipeline.bench import report
     from pipeline.io.locomo import load_locomo
 

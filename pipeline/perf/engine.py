@@ -52,7 +52,7 @@ def run_variant(name: str, model: str, cases: int, top_k: int) -> VariantResult:
     from pipeline.agents import AgentSpec, build_agent
     from pipeline.cases import make_cases
     from pipeline.retrieval import Retriever
-    from pipeline.runner import InputSpec
+    from pipeline.audit import InputSpec
 
     options, env = VARIANTS[name]
     pools, queries, _ = InputSpec().load()

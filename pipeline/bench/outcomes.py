@@ -2,8 +2,9 @@
 
 An agent response gives P(gold option) and the binary outcome (the gold option is the strict argmax) at once, so a
 coalition is evaluated once and both utility modes are read off it: `probability` is P(gold), `correct` is the outcome
-as 0/1. Each method still sees only the coalitions it asks for (through a `CachedOracle` that counts them), so the
-sharing saves agent calls without letting one method use another's evaluations.
+as 0/1 (`pipeline.agents.utility.outcome`, `in_mode`: the same reading as the audit's). Each method still sees only
+the coalitions it asks for (through a `CachedOracle` that counts them), so the sharing saves agent calls without
+letting one method use another's evaluations.
 """
 
 from __future__ import annotations
@@ -11,11 +12,11 @@ from __future__ import annotations
 import numpy as np
 
 from pipeline.agents.base import Agent
-from pipeline.agents.utility import UTILITY_MODES, score
+from pipeline.agents.utility import UTILITY_MODES, in_mode, outcome
 from pipeline.cases import Case
 
 
-class CaseOracle:
+class CaseOutcomes:
     """Lazily filled 2^K tables of P(gold) (or token-F1 for open answers) and the binary outcome of one case."""
 
     def __init__(self, agent: Agent, case: Case):
@@ -38,7 +39,7 @@ class CaseOracle:
         q = self.case.query
         responses = self.agent.answer_batch([self.case.request(int(m)) for m in new])
         for m, r in zip(new.tolist(), responses, strict=True):
-            self.probability[m], self.correct[m] = score(r, q.options, q.answer, "probability")
+            self.probability[m], self.correct[m] = outcome(r, q.options, q.answer)
 
     def outcome(self, masks: np.ndarray) -> np.ndarray:
         """The binary outcomes of `masks` (evaluating what is missing)."""
@@ -47,7 +48,7 @@ class CaseOracle:
         return self.correct[masks]
 
     def mode(self, utility: str):
-        """A batched oracle `evaluate(masks) -> (utilities, correct)` in one utility mode."""
+        """A batched evaluator `evaluate(masks) -> (utilities, correct)` in one utility mode."""
         if utility not in UTILITY_MODES:
             raise ValueError(f"utility mode {utility!r}; allowed {UTILITY_MODES}")
 
@@ -55,7 +56,6 @@ class CaseOracle:
             masks = np.asarray(masks, dtype=np.int64)
             self.fetch(masks)
             ok = self.correct[masks]
-            util = self.probability[masks] if utility == "probability" else ok.astype(np.float64)
-            return util, ok
+            return in_mode(self.probability[masks], ok, utility), ok
 
         return evaluate

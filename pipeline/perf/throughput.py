@@ -1,7 +1,8 @@
 """Agent throughput: the Ray audit pipeline against a bare vLLM `LLM.generate` loop over the same batches of prompts.
 
-(a) pipeline: the real driver (`run_audit`: scheduling, streamed Parquet, per-case reductions) over a `RayExecutor`
-    whose actor runs `VLLMAgent`. Every batch the driver sends is recorded.
+(a) pipeline: the real driver (`run_audit`: scheduling, streamed Parquet, per-case reductions) over a Ray pool of
+    agents (`pipeline.ray_exec.start_agent_pool`) whose actor runs `VLLMAgent`. Every batch the driver sends is
+    recorded.
 (b) bare: one in-process `vllm.LLM` built with the agent's own engine arguments (`engine_kwargs`) that runs `generate`
     over exactly the recorded batches with the agent's own SamplingParams (`engine_jobs`), as a user's own loop would:
     each batch's prompts rendered as text (`prompts.build_prompt`) and tokenised by `LLM.generate`, inside the clock.
@@ -32,12 +33,13 @@ from typing import Any, Sequence
 
 from pipeline.agents import prompts
 from pipeline.agents.base import AgentRequest
-from pipeline.audit import AuditConfig, _versions, run_audit
+from pipeline.audit import AuditConfig, InputSpec
+from pipeline.driver import run_audit
 from pipeline.errors import AgentError, ConfigError
-from pipeline.executors import Executor
+from pipeline.evaluate import WorkItem
 from pipeline.io.records import Pool, Query
-from pipeline.runner import InputSpec
-from pipeline.stage import ItemResult, WorkItem
+from pipeline.pools import WorkerPool
+from pipeline.provenance import versions
 from pipeline.validation import check
 
 log = logging.getLogger(__name__)
@@ -135,20 +137,27 @@ class SideResult:
                 "uncached_tokens_per_case": (self.prompt_tokens - self.cached_tokens) / self.cases}
 
 
-class RecordingExecutor:
-    """Delegates to an executor and keeps every batch the driver submits, so the bare loop can replay the same ones."""
+class RecordingPool:
+    """Delegates to the driver's pool and keeps every batch the driver submits, so the bare loop can replay them."""
 
-    def __init__(self, inner: Executor):
+    def __init__(self, inner: WorkerPool):
         self.inner = inner
         self.n_workers, self.max_inflight = inner.n_workers, inner.max_inflight
         self.batches: list[list[WorkItem]] = []
 
-    def submit(self, worker: int, items: list[WorkItem]) -> None:
-        self.batches.append(list(items))  # references only: expanding to requests here would slow the driver
-        self.inner.submit(worker, items)
+    def submit(self, worker: int, method: str, *args: Any) -> None:
+        if method == "evaluate":
+            self.batches.append(list(args[0]))  # references only: expanding to requests here would slow the driver
+        self.inner.submit(worker, method, *args)
 
-    def next_done(self) -> tuple[int, list[ItemResult]]:
+    def next_done(self) -> tuple[int, Any]:
         return self.inner.next_done()
+
+    def call_all(self, method: str, *args: Any) -> list:
+        return self.inner.call_all(method, *args)
+
+    def map(self, method: str, items: Sequence[Any], pins: Sequence[int | None] | None = None):
+        return self.inner.map(method, items, pins)
 
     def close(self) -> None:
         self.inner.close()
@@ -168,12 +177,8 @@ class PipelineRun:
     total_s: list[float]  # run_audit's whole wall time per repetition (retrieval and final writes included)
 
 
-def _reset_actor_cache(executor: Any) -> None:
-    import ray
-
-    # __ray_call__ runs a function on the actor's instance: no benchmark-only method on the production actor class.
-    done = ray.get([a.__ray_call__.remote(lambda actor: actor.agent.reset_prefix_cache()) for a in executor.actors])
-    if not all(done):
+def _reset_prefix_caches(pool: WorkerPool) -> None:
+    if not all(pool.call_all("reset_prefix_cache")):
         raise AgentError("agent benchmark: an engine refused to reset its prefix cache (requests still running?)")
 
 
@@ -182,22 +187,21 @@ def run_pipeline(pools: dict[str, Pool], queries: list[Query], audit_config: Aud
     """(a): warm-up on the first query, then `repetitions` cold audits of every query through the real driver."""
     import polars as pl
 
-    from pipeline.ray_exec import RayExecutor
+    from pipeline.ray_exec import start_agent_pool
 
     t = time.perf_counter()
-    ray_ex = RayExecutor(audit_config.agent_spec, audit_config.utility, audit_config.actors,
-                         audit_config.cpus_per_actor, audit_config.gpus_per_actor)
+    agents, fingerprint = start_agent_pool(audit_config.agent_spec, audit_config.actors, audit_config.cpus_per_actor,
+                                           audit_config.gpus_per_actor)
     startup = time.perf_counter() - t
-    recorder = RecordingExecutor(ray_ex)
+    recorder = RecordingPool(agents)
     try:
-        run_audit(pools, queries[:1], audit_config, workdir / "warmup", recorder, ray_ex.fingerprint, progress=False)
+        run_audit(pools, queries[:1], audit_config, workdir / "warmup", recorder, fingerprint, progress=False)
         warmup = recorder.batches[0]
         times, totals, evaluated = [], [], 0
         for rep in range(repetitions):
-            _reset_actor_cache(ray_ex)
+            _reset_prefix_caches(agents)
             recorder.batches = []
-            res = run_audit(pools, queries, audit_config, workdir / f"rep{rep}", recorder, ray_ex.fingerprint,
-                            progress=False)
+            res = run_audit(pools, queries, audit_config, workdir / f"rep{rep}", recorder, fingerprint, progress=False)
             times.append(res.timings["evaluate_s"])
             totals.append(res.timings["total_s"])
             if rep == 0:
@@ -234,10 +238,13 @@ def run_bare(engine_config: Any, warmup: Sequence[WorkItem], batches: Sequence[S
 
     from pipeline.agents.llm_config import resolved_scoring
     from pipeline.agents.models import model_identity
-    from pipeline.agents.vllm_agent import _on_cpu, engine_jobs, engine_kwargs
+    from pipeline.agents.vllm_agent import cpu_engine_env, engine_jobs, engine_kwargs, on_cpu_platform
 
     t = time.perf_counter()
-    kwargs = engine_kwargs(engine_config, on_cpu=_on_cpu())
+    on_cpu = on_cpu_platform()
+    kwargs = engine_kwargs(engine_config, on_cpu=on_cpu)
+    if on_cpu:  # the agent's own engine environment (thread binding), so both sides run the same engine
+        os.environ.update(cpu_engine_env())
     llm = vllm.LLM(**kwargs)
     startup = time.perf_counter() - t
     try:
@@ -316,10 +323,8 @@ def _wait_for_gpu_release(fraction: float, timeout_s: float = 120.0) -> None:
 
 def run_benchmark(config: AgentBenchConfig, progress: bool = True) -> dict:
     """Run (a) then (b) and return the report (plain data, written as JSON by the job)."""
-    import ray
-
     from pipeline.agents.vllm_agent import VLLMConfig
-    from pipeline.ray_exec import init_ray
+    from pipeline.ray_exec import cluster_session
 
     private_tmp = Path(tempfile.mkdtemp(prefix="meclear-bench-", dir="/tmp"))  # short: socket paths have a length limit
     set_engine_env(config.cache_dir, private_tmp)
@@ -340,12 +345,8 @@ def run_benchmark(config: AgentBenchConfig, progress: bool = True) -> dict:
                                    gpus_per_actor=config.gpus_per_actor, batch_size=config.batch_size)
         log.info("agent benchmark: %d queries, model %s", len(queries), model_path)
 
-        started = init_ray(temp_dir=str(private_tmp / "ray"))
-        try:
+        with cluster_session(temp_dir=str(private_tmp / "ray")):
             pipe = run_pipeline(pools, queries, audit_config, config.repetitions, private_tmp / "audit")
-        finally:
-            if started:
-                ray.shutdown()
         _wait_for_gpu_release(engine_config.gpu_memory_utilization)
         bare = run_bare(engine_config, pipe.warmup, pipe.batches, config.repetitions)
     finally:
@@ -358,7 +359,7 @@ def build_report(config: AgentBenchConfig, options: dict, queries: int, pipe: Pi
     batch_sizes = [sum(len(it.masks) for it in batch) for batch in pipe.batches]
     return {
         "config": {**asdict(config), "engine": options},
-        "versions": _versions(),
+        "versions": versions(),
         "queries": queries,
         "batches": {"count": len(batch_sizes), "sizes": sorted(set(batch_sizes))},
         "throughput_ratio": a.coalitions_per_s / b.coalitions_per_s,  # of the medians

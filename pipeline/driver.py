@@ -1,0 +1,372 @@
+"""The audit's driver: frozen contexts -> coalition evaluations (streamed) -> attributions, interactions, clearances.
+
+`run_audit` plans each case, sends its coalitions to a pool of agents (`pipeline.pools`: in process or Ray actors)
+through the `Scheduler`, streams utilities to Parquet as they arrive, moves each case forward as its values come in
+(`pipeline.reduce.advance`: a second pass that the clearance still needs goes to the same worker), and writes the
+reductions atomically at the end. Rows are keyed by (pool, query, context hash, coalition, agent, utility mode), so
+a rerun into the same folder (or one given `reuse=PREVIOUS_OUT`, `pipeline.io.reuse`) skips every coalition already
+written. Part files are content-addressed and compacted at the end of each run, so resuming after any crash
+converges: `utilities/` ends with every key exactly once. A case whose agent fails or returns a non-finite or
+out-of-range utility goes to `errors/`; the other cases finish.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.cases import Case, make_cases
+from pipeline.evaluate import ItemResult, WorkItem
+from pipeline.game import make_plan
+from pipeline.game.plan import popcount
+from pipeline.io import writer
+from pipeline.io.outdir import DATASET_NAMES, OutLock, check_out
+from pipeline.io.records import Pool, Query
+from pipeline.io.reuse import import_reused, previous_run_id, previous_utilities
+from pipeline.pools import WorkerPool
+from pipeline.provenance import sha256_file, versions
+from pipeline.reduce import CaseRows, CaseState, advance, finalize
+from pipeline.retrieval import Retriever
+from pipeline.schemas import DATASETS, ERRORS, UTILITIES, UTILITY_KEY
+from pipeline.settings import AuditConfig
+from pipeline.validation import fingerprint
+
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AuditResult:
+    """What an audit did, in counts (the rows are in the output folder); `cli.print_summary` prints it."""
+
+    run_id: str
+    out: Path
+    cases: int
+    harmful: int  # memories flagged harmful, over all cases
+    cases_with_harm: int
+    failing: int  # cases whose full context gave a wrong answer
+    recovered: int  # of those, cases whose selected clearance restored the gold answer
+    evaluated: int  # coalitions evaluated by agents in this run
+    reused: int  # coalitions read back from an earlier run (this --out or --reuse)
+    max_evaluations: int
+    timings: dict[str, float]
+    clearances: list[dict] = field(repr=False, default_factory=list)
+    imported: int = 0  # of `reused`, rows copied from --reuse folders
+    failed: int = 0  # cases that went to errors/ (the exit code is then non-zero)
+    errors: list[dict] = field(repr=False, default_factory=list)
+
+
+class Scheduler:
+    """Feeds workers whole cases, at most `max_inflight` tasks each and up to `batch_size` coalitions a task (a case
+    is never split). An item enqueued with `pin` goes to the worker that ran its case before: that worker's prefix
+    cache holds the case's prompt prefix."""
+
+    def __init__(self, agents: WorkerPool, batch_size: int):
+        self.agents, self.batch_size = agents, batch_size
+        self._shared: deque[WorkItem] = deque()
+        self._pinned: list[deque[WorkItem]] = [deque() for _ in range(agents.n_workers)]
+        self._inflight = [0] * agents.n_workers
+        self._worker_of: dict[int, int] = {}
+
+    def enqueue(self, item: WorkItem, pin: bool = False) -> None:
+        w = self._worker_of.get(item.case_index) if pin else None
+        (self._pinned[w] if w is not None else self._shared).append(item)
+
+    def fill(self) -> None:
+        """Submit queued items until every worker has `max_inflight` tasks or the queues are empty."""
+        for w in range(self.agents.n_workers):
+            while self._inflight[w] < self.agents.max_inflight and (self._pinned[w] or self._shared):
+                batch, n = [], 0
+                for q in (self._pinned[w], self._shared):
+                    while q and (n == 0 or n + len(q[0].masks) <= self.batch_size):
+                        it = q.popleft()
+                        self._worker_of.setdefault(it.case_index, w)
+                        batch.append(it)
+                        n += len(it.masks)
+                self.agents.submit(w, "evaluate", batch)
+                self._inflight[w] += 1
+
+    @property
+    def busy(self) -> bool:
+        return any(self._inflight)
+
+    def wait(self) -> list[ItemResult]:
+        """The results of the next task to finish."""
+        w, results = self.agents.next_done()
+        self._inflight[w] -= 1
+        return results
+
+
+def _usable(utility: np.ndarray) -> np.ndarray:
+    return np.isfinite(utility) & (utility >= 0) & (utility <= 1)
+
+
+def _utility_columns(run_id: str, case: Case, res: ItemResult, utility: np.ndarray, agent_fp: str, mode: str,
+                     keep: np.ndarray) -> dict[str, list]:
+    n = int(keep.sum())
+    q, c = case.query, case.context
+
+    def pick(values: list) -> list:
+        return [v for v, k in zip(values, keep) if k]
+
+    return {
+        "run_id": [run_id] * n,
+        "pool_id": [q.pool_id] * n,
+        "query_id": [q.query_id] * n,
+        "context_hash": [c.context_hash] * n,
+        "coalition": res.masks[keep].tolist(),
+        "size": popcount(res.masks[keep]).tolist(),
+        "utility": utility[keep].tolist(),
+        "correct": res.correct[keep].tolist(),
+        "utility_mode": [mode] * n,
+        "agent": [agent_fp] * n,
+        "answer": pick(res.answer),
+        "gold_prob": pick(res.gold_prob),
+        "stage": [res.stage] * n,
+        "prompt_tokens": pick(res.prompt_tokens),
+        "cached_tokens": pick(res.cached_tokens),
+        "latency_s": pick(res.latency_s),
+    }
+
+
+def _error_rows(run_id: str, case: Case, res: ItemResult, utility: np.ndarray) -> list[dict]:
+    """Why a result cannot be used: the agent failed on the item, or utilities outside [0, 1] (NaN included)."""
+    q, c = case.query, case.context
+    base = {"run_id": run_id, "pool_id": q.pool_id, "query_id": q.query_id, "context_hash": c.context_hash,
+            "stage": res.stage}
+    if res.error is not None:
+        return [base | {"coalition": None, "kind": "agent_error", "reason": res.error}]
+    rows = []
+    for m, u in zip(res.masks.tolist(), utility.tolist()):
+        if not np.isfinite(u):
+            rows.append(base | {"coalition": m, "kind": "non_finite_utility", "reason": f"utility {u} (agent answer unusable)"})
+        elif not 0.0 <= u <= 1.0:
+            rows.append(base | {"coalition": m, "kind": "utility_out_of_range", "reason": f"utility {u}; allowed 0..1"})
+    return rows
+
+
+def context_rows(run_id: str, cases: list[Case]) -> list[dict]:
+    return [
+        {
+            "run_id": run_id,
+            "pool_id": c.query.pool_id,
+            "query_id": c.query.query_id,
+            "context_hash": c.context.context_hash,
+            "position": i,
+            "memory_id": mid,
+            "text": c.context.texts[i],
+            "retrieval_score": c.context.scores[i],
+            "bm25_rank": c.context.bm25_ranks[i],
+            "dense_rank": c.context.dense_ranks[i],
+        }
+        for c in cases
+        for i, mid in enumerate(c.context.memory_ids)
+    ]
+
+
+class _Evaluation:
+    """The evaluation phase: every case's coalitions through the agents, values streamed to `utilities/` as they
+    arrive, each case moved forward (`reduce.advance`) until it is finalized or has failed for a data reason."""
+
+    def __init__(self, cases: list[Case], config: AuditConfig, run_id: str, agents: WorkerPool, agent_fp: str,
+                 utilities: writer.PartWriter, progress: bool):
+        from pipeline.progress import progress_bar
+
+        self.cases, self.config, self.run_id, self.agent_fp, self.utilities = cases, config, run_id, agent_fp, utilities
+        self.sched = Scheduler(agents, config.batch_size)
+        self.states: list[CaseState] = []
+        self.finished: list[CaseRows | None] = [None] * len(cases)
+        self.failed: dict[int, list[dict]] = {}
+        self.reused = 0
+        self.bar = progress_bar(total=len(cases), desc="cases", unit="case", enabled=progress)
+
+    def run(self, previous: dict[tuple[str, str, str], tuple[np.ndarray, ...]]) -> None:
+        """Plan every case (taking values an earlier run wrote), then evaluate until no task is in flight."""
+        c = self.config
+        for ci, case in enumerate(self.cases):
+            st = CaseState(case, make_plan(case.k, c.permutations, c.estimator, c.antithetic, case.seed,
+                                           c.adaptive_round))
+            prev = previous.get((case.query.pool_id, case.query.query_id, case.context.context_hash))
+            if prev is not None:
+                st.record(*prev)
+                st.reused = len(prev[0])
+                self.reused += st.reused
+            self.states.append(st)
+            self._advance(ci)
+        self.sched.fill()
+        while self.sched.busy:
+            for res in self.sched.wait():
+                self._receive(res)
+                self._advance(res.case_index)
+            self.sched.fill()
+        self.utilities.close()
+        self.bar.close()
+
+    def _receive(self, res: ItemResult) -> None:
+        """Record a task's values; a data failure stops its case here (its usable rows are kept, the run goes on)."""
+        st = self.states[res.case_index]
+        utility = res.utility(self.config.utility)
+        bad = _error_rows(self.run_id, st.case, res, utility)
+        if bad:
+            if res.case_index not in self.failed:
+                self.bar.update(1)
+            self.failed.setdefault(res.case_index, []).extend(bad)
+        if res.error is None:
+            keep = _usable(utility)
+            st.record(res.masks[keep], utility[keep], res.correct[keep], [a for a, k in zip(res.answer, keep) if k])
+            if keep.any():
+                self.utilities.add(_utility_columns(self.run_id, st.case, res, utility, self.agent_fp,
+                                                    self.config.utility, keep))
+
+    def _advance(self, ci: int) -> None:
+        if ci in self.failed:
+            return
+        st = self.states[ci]
+        if (need := advance(st, self.config.tau, self.config.adaptive_z)) is not None:
+            self.sched.enqueue(WorkItem(ci, st.case, need.masks, need.stage), pin=need.pin)
+        elif st.complete:
+            self.finished[ci] = finalize(st, self.run_id, self.config.tau, self.config.kappa)
+            self.bar.update(1)
+
+
+def _open_run(out: Path, config: AuditConfig, agent_fp: str,
+              input_files: list[str]) -> tuple[str, list[dict], str | None]:
+    """(run_id, inputs with their hashes, the run whose reductions `out` holds). Marks `out` as running."""
+    inputs = [{"path": str(p), "sha256": sha256_file(p)} for p in input_files]
+    run_id = fingerprint({"config": asdict(config), "inputs": [i["sha256"] for i in inputs], "agent": agent_fp})
+    out.mkdir(parents=True, exist_ok=True)
+    writer.recover_swaps(out, DATASET_NAMES)
+    previous_run = previous_run_id(out)
+    if previous_run and previous_run != run_id:  # utilities are kept by key; the reductions are replaced
+        log.warning("%s: replacing the reductions of run %s (other settings or inputs) with run %s; its utilities "
+                    "stay and are reused where their key matches", out, previous_run, run_id)
+    # Until this run finishes, the manifest says so: a reader never mistakes a crashed run's folder for a complete one.
+    writer.write_json_atomic(out / "manifest.json", {"run_id": run_id, "status": "running", "datasets": sorted(DATASETS)})
+    return run_id, inputs, previous_run
+
+
+def _write_reductions(out: Path, run_id: str, cases: list[Case], ev: _Evaluation) -> tuple[list[dict], list[dict]]:
+    """contexts/, attributions/, interactions/, clearances/ and errors/, each replaced atomically; returns the
+    clearance and error rows."""
+    rows = [r for r in ev.finished if r is not None]
+    if len(rows) + len(ev.failed) != len(cases):
+        raise RuntimeError(f"{len(cases) - len(rows) - len(ev.failed)} cases neither finished nor failed")  # a driver bug
+    errors = [e for ci in sorted(ev.failed) for e in ev.failed[ci]]
+    writer.replace_dataset(out, "contexts", context_rows(run_id, cases), DATASETS["contexts"])
+    writer.replace_dataset(out, "attributions", [a for r in rows for a in r.attributions], DATASETS["attributions"])
+    writer.replace_dataset(out, "interactions", [a for r in rows for a in r.interactions], DATASETS["interactions"])
+    clearances = [r.clearance for r in rows]
+    writer.replace_dataset(out, "clearances", clearances, DATASETS["clearances"])
+    writer.replace_dataset(out, "errors", errors, ERRORS)
+    return clearances, errors
+
+
+def run_audit(
+    pools: dict[str, Pool],
+    queries: list[Query],
+    config: AuditConfig,
+    out: str | Path,
+    agents: WorkerPool,
+    agent_fingerprint: str,
+    input_files: list[str] | None = None,
+    progress: bool = True,
+    reuse: list[str | Path] | None = None,
+    lock: OutLock | None = None,
+    flush_rows: int = 50_000,
+) -> AuditResult:
+    """Run an audit on an already-started pool of `pipeline.evaluate.AgentWorker`s. Inputs must be validated (the
+    loaders do that).
+
+    `lock`: the output folder's lock when the caller already holds it (`pipeline.audit.audit` takes it before
+    starting agents); otherwise the folder is checked and locked here. `reuse`: earlier run folders whose utilities
+    are reused by key.
+    """
+    out = Path(out)
+    if lock is None:
+        check_out(out, input_files or [])
+        with OutLock(out) as own:
+            return run_audit(pools, queries, config, out, agents, agent_fingerprint, input_files, progress,
+                             reuse, own, flush_rows)
+    t_start = time.perf_counter()
+    timings: dict[str, float] = {}
+    run_id, inputs, previous_run = _open_run(out, config, agent_fingerprint, input_files or [])
+
+    t = time.perf_counter()
+    retriever = Retriever(pools, config.top_k, config.dense, progress=progress)  # embeddings cached ($MECLEAR_CACHE)
+    contexts = retriever.freeze_all(queries)
+    timings.update({f"retrieval_{k}": v for k, v in retriever.stats.items()})
+    cases = make_cases(queries, contexts, config.seed)
+    timings["retrieval_s"] = time.perf_counter() - t
+
+    keys = [(c.query.pool_id, c.query.query_id, c.context.context_hash) for c in cases]
+    imported = import_reused([Path(r) for r in (reuse or [])], out, keys, agent_fingerprint, config.utility)
+    previous = previous_utilities([out], agent_fingerprint, config.utility)
+    utilities = writer.PartWriter(out / "utilities", UTILITIES, flush_rows=flush_rows)
+    ev = _Evaluation(cases, config, run_id, agents, agent_fingerprint, utilities, progress)
+    t = time.perf_counter()
+    ev.run(previous)
+    timings["evaluate_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    store = writer.compact(out / "utilities", UTILITIES, UTILITY_KEY)
+    timings["compact_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    clearances, errors = _write_reductions(out, run_id, cases, ev)
+    timings["write_s"] = time.perf_counter() - t
+    timings["total_s"] = time.perf_counter() - t_start
+
+    result = AuditResult(
+        run_id=run_id,
+        out=out,
+        cases=len(cases),
+        harmful=sum(c["harmful"] for c in clearances),
+        cases_with_harm=sum(c["harmful"] > 0 for c in clearances),
+        failing=sum(not c["baseline_correct"] for c in clearances),
+        recovered=sum(c["recovered"] is True for c in clearances),
+        evaluated=utilities.written,
+        reused=ev.reused,
+        max_evaluations=max((c["evaluations"] for c in clearances), default=0),
+        timings=timings,
+        clearances=clearances,
+        failed=len(ev.failed),
+        errors=errors,
+        imported=imported,
+    )
+    manifest = _manifest(result, config, agent_fingerprint, retriever.mode, inputs)
+    manifest["utilities"] = store | {"complete": True}
+    manifest["reuse"] = [str(r) for r in (reuse or [])]
+    manifest["replaced_run"] = previous_run if previous_run != run_id else None
+    writer.write_json_atomic(out / "manifest.json", manifest)
+    return result
+
+
+def _manifest(result: AuditResult, config: AuditConfig, agent_fp: str, retrieval: str, inputs: list[dict]) -> dict:
+    return {
+        "run_id": result.run_id,
+        "status": "complete" if not result.failed else "complete_with_errors",
+        "config": asdict(config),
+        "agent": agent_fp,
+        "retrieval": retrieval,
+        "inputs": inputs,
+        "versions": versions(),
+        "counts": {
+            "cases": result.cases,
+            "harmful_memories": result.harmful,
+            "cases_with_harm": result.cases_with_harm,
+            "failing_cases": result.failing,
+            "recovered_cases": result.recovered,
+            "coalitions_evaluated": result.evaluated,
+            "coalitions_reused": result.reused,
+            "coalitions_imported_from_reuse": result.imported,
+            "max_evaluations_per_case": result.max_evaluations,
+            "failed_cases": result.failed,
+        },
+        "timings": result.timings,
+        "datasets": sorted(DATASETS),
+    }
