@@ -145,7 +145,9 @@ class RayPool:
         self._refs[getattr(self.actors[worker], method).remote(*args)] = worker
 
     def next_done(self) -> tuple[int, Any]:
-        ready, _ = self.ray.wait(list(self._refs), num_returns=1)
+        ready: list = []
+        while not ready:  # waits of 1 s: a blocking ray.wait never lets Ctrl-C through (measured: SIGINT ignored)
+            ready, _ = self.ray.wait(list(self._refs), num_returns=1, timeout=1.0)
         worker = self._refs.pop(ready[0])
         return worker, self.ray.get(ready[0])
 

@@ -342,3 +342,13 @@ def test_cpu_engine_defaults_follow_the_machine() -> None:
     assert cpu_engine_env({}, cpus=[0, 1]) == {"VLLM_CPU_OMP_THREADS_BIND": "0,1"}
     assert cpu_engine_env({"VLLM_CPU_OMP_THREADS_BIND": "auto"}, cpus=[0, 1]) == {}
     assert cpu_engine_env({}, cpus=range(64)) == {}
+
+
+def test_eager_by_default_on_cpu_only() -> None:
+    from pipeline.agents.vllm_agent import VLLMConfig, resolved_eager
+
+    assert resolved_eager(VLLMConfig(model="m"), on_cpu=True) is True
+    assert resolved_eager(VLLMConfig(model="m"), on_cpu=False) is False
+    assert resolved_eager(VLLMConfig(model="m", enforce_eager=False), on_cpu=True) is False
+    with pytest.raises(ConfigError, match="enforce_eager"):
+        VLLMConfig.from_mapping({"model": "m", "enforce_eager": "yes"})

