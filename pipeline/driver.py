@@ -30,7 +30,7 @@ from pipeline.io.records import Pool, Query
 from pipeline.io.reuse import import_reused, previous_run_id, previous_utilities
 from pipeline.pools import WorkerPool
 from pipeline.provenance import sha256_file, versions
-from pipeline.reduce import CaseRows, CaseState, advance, finalize
+from pipeline.reduce import CaseRows, CaseState, ClearanceRow, advance, finalize
 from pipeline.retrieval import Retriever
 from pipeline.schemas import DATASETS, ERRORS, UTILITIES, UTILITY_KEY
 from pipeline.settings import AuditConfig
@@ -55,7 +55,7 @@ class AuditResult:
     reused: int  # coalitions read back from an earlier run (this --out or --reuse)
     max_evaluations: int
     timings: dict[str, float]
-    clearances: list[dict] = field(repr=False, default_factory=list)
+    clearances: list[ClearanceRow] = field(repr=False, default_factory=list)
     imported: int = 0  # of `reused`, rows copied from --reuse folders
     failed: int = 0  # cases that went to errors/ (the exit code is then non-zero)
     errors: list[dict] = field(repr=False, default_factory=list)
@@ -261,7 +261,7 @@ def _write_reductions(out: Path, run_id: str, cases: list[Case], ev: _Evaluation
     writer.replace_dataset(out, "attributions", [a for r in rows for a in r.attributions], DATASETS["attributions"])
     writer.replace_dataset(out, "interactions", [a for r in rows for a in r.interactions], DATASETS["interactions"])
     clearances = [r.clearance for r in rows]
-    writer.replace_dataset(out, "clearances", clearances, DATASETS["clearances"])
+    writer.replace_dataset(out, "clearances", [c.as_row() for c in clearances], DATASETS["clearances"])
     writer.replace_dataset(out, "errors", errors, ERRORS)
     return clearances, errors
 
@@ -325,13 +325,13 @@ def run_audit(
         run_id=run_id,
         out=out,
         cases=len(cases),
-        harmful=sum(c["harmful"] for c in clearances),
-        cases_with_harm=sum(c["harmful"] > 0 for c in clearances),
-        failing=sum(not c["baseline_correct"] for c in clearances),
-        recovered=sum(c["recovered"] is True for c in clearances),
+        harmful=sum(c.harmful for c in clearances),
+        cases_with_harm=sum(c.harmful > 0 for c in clearances),
+        failing=sum(not c.baseline_correct for c in clearances),
+        recovered=sum(c.recovered is True for c in clearances),
         evaluated=utilities.written,
         reused=ev.reused,
-        max_evaluations=max((c["evaluations"] for c in clearances), default=0),
+        max_evaluations=max((c.evaluations for c in clearances), default=0),
         timings=timings,
         clearances=clearances,
         failed=len(ev.failed),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -139,10 +139,40 @@ def no_clearance_reason(result: Clearance, harmful: int) -> str | None:
 
 
 @dataclass(frozen=True)
+class ClearanceRow:
+    """One query's clearance decision, typed until the writer makes it a row of `clearances/` (`as_row`). Fields in
+    the order of `pipeline.schemas.CLEARANCES`, whose comments say what each holds; a test keeps the two in step."""
+
+    run_id: str
+    pool_id: str
+    query_id: str
+    context_hash: str
+    question: str
+    gold: str
+    options: list[str]
+    answer_before: str | None
+    answer_after: str | None
+    cleared: list[str]  # memory ids suppressed for this query only, most harmful first
+    baseline_utility: float
+    cleared_utility: float
+    gain: float
+    baseline_correct: bool
+    recovered: bool | None  # null when the full context was already answered right
+    reason: str | None  # why nothing was cleared; None when something was
+    harmful: int
+    candidates: int
+    evaluations: int
+    estimator: str
+
+    def as_row(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
 class CaseRows:
     attributions: list[dict]
     interactions: list[dict]
-    clearance: dict
+    clearance: ClearanceRow
     result: Clearance
 
 
@@ -192,24 +222,26 @@ def finalize(state: CaseState, run_id: str, tau: float, kappa: float) -> CaseRow
     ]
     result = select_clearance(plan.k, state.ranking, state.values, state.correct)
     full = (1 << plan.k) - 1
-    clearance = {
-        **base,
-        "context_hash": ctx.context_hash,
-        "question": q.question,
-        "gold": q.answer,
-        "options": list(q.options),
-        "answer_before": state.answers.get(full),
-        "answer_after": state.answers.get(full & ~result.removed_mask),
-        "cleared": [ctx.memory_ids[i] for i in result.removed],
-        "baseline_utility": result.baseline_utility,
-        "cleared_utility": result.cleared_utility,
-        "gain": result.gain,
-        "baseline_correct": result.baseline_correct,
-        "recovered": None if result.baseline_correct else result.recovered,
-        "reason": no_clearance_reason(result, len(state.ranking)),
-        "harmful": len(state.ranking),
-        "candidates": result.candidates,
-        "evaluations": state.evaluations,
-        "estimator": plan.estimator,
-    }
+    clearance = ClearanceRow(
+        run_id=run_id,
+        pool_id=q.pool_id,
+        query_id=q.query_id,
+        context_hash=ctx.context_hash,
+        question=q.question,
+        gold=q.answer,
+        options=list(q.options),
+        answer_before=state.answers.get(full),
+        answer_after=state.answers.get(full & ~result.removed_mask),
+        cleared=[ctx.memory_ids[i] for i in result.removed],
+        baseline_utility=result.baseline_utility,
+        cleared_utility=result.cleared_utility,
+        gain=result.gain,
+        baseline_correct=result.baseline_correct,
+        recovered=None if result.baseline_correct else result.recovered,
+        reason=no_clearance_reason(result, len(state.ranking)),
+        harmful=len(state.ranking),
+        candidates=result.candidates,
+        evaluations=state.evaluations,
+        estimator=plan.estimator,
+    )
     return CaseRows(attributions, interactions, clearance, result)

@@ -58,7 +58,7 @@ def test_sampled_plan_second_pass_only_adds_missing_coalitions(tmp_path):
     assert (att["permutations"] == 4).all()
     # every clearance candidate (N minus each nested prefix) was evaluated
     for c in result.clearances:
-        assert c["candidates"] == c["harmful"] + 1
+        assert c.candidates == c.harmful + 1
 
 
 def test_rerun_skips_everything_already_written(tmp_path):
@@ -104,7 +104,7 @@ def test_sample_pool_planted_faults_fail_and_are_recovered(tmp_path, dense):
     pools, _, _ = InputSpec().load()
     targets = {m.metadata["query_id"] for p in pools.values() for m in p.memories if m.metadata}
     result, _ = audit(tmp_path, utility="correct", dense=dense)
-    by_query = {c["query_id"]: c for c in result.clearances}
+    by_query = {c.query_id: c.as_row() for c in result.clearances}
     util = pl.read_parquet(tmp_path / "out" / "utilities").filter(pl.col("coalition") == 31)
     for qid, c in by_query.items():
         if qid in targets:

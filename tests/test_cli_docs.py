@@ -14,6 +14,7 @@ import yaml
 from pipeline.audit import AuditConfig, AuditResult, InputSpec
 from pipeline.cli import build_parser, print_summary, safe
 from pipeline.progress import progress_bar
+from pipeline.reduce import ClearanceRow
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,9 +58,10 @@ def test_job_config_keys_are_settings_and_job_flags_documented():
 def test_ids_are_printed_with_control_characters_escaped(capsys):
     evil = "q\x1b]0;pwned\x07\x1b[2J"
     assert safe(evil) == "q\\x1b]0;pwned\\x07\\x1b[2J"
-    clearance = {"pool_id": "p", "query_id": evil, "cleared": ["m\x1b[31m"], "baseline_utility": 0.1,
-                 "cleared_utility": 0.9, "recovered": True, "harmful": 1, "reason": None,
-                 "answer_before": "a\x1b[5m", "answer_after": "b", "gold": "b"}
+    clearance = ClearanceRow(run_id="r", pool_id="p", query_id=evil, context_hash="h", question="q?", gold="b",
+                             options=["a", "b"], answer_before="a\x1b[5m", answer_after="b", cleared=["m\x1b[31m"],
+                             baseline_utility=0.1, cleared_utility=0.9, gain=0.8, baseline_correct=False,
+                             recovered=True, reason=None, harmful=1, candidates=2, evaluations=3, estimator="exact")
     result = AuditResult("r", Path("o\x1b[1m"), 1, 1, 1, 1, 1, 3, 0, 3, {}, [clearance])
     print_summary(result, 1.0)
     out = capsys.readouterr().out

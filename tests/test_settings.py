@@ -75,3 +75,13 @@ def test_methods_are_typed_and_keep_their_names():
             Method.parse(bad)
     with pytest.raises(ConfigError, match="is not a method"):
         Method("loo", 4)  # only MeClear has a budget
+
+
+def test_typed_clearance_rows_follow_the_clearances_schema():
+    """The driver keeps clearances typed (`ClearanceRow`) until the writer; its fields are the schema's, in order."""
+    import dataclasses
+
+    from pipeline.reduce import ClearanceRow
+    from pipeline.schemas import CLEARANCES
+
+    assert [f.name for f in dataclasses.fields(ClearanceRow)] == CLEARANCES.names
