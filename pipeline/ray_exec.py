@@ -146,7 +146,7 @@ class RayPool:
 
     def next_done(self) -> tuple[int, Any]:
         ready: list = []
-        while not ready:  # waits of 1 s: a blocking ray.wait never lets Ctrl-C through (measured: SIGINT ignored)
+        while not ready:  # waits of 1 s, so Ctrl-C is handled within a second even while a task runs for minutes
             ready, _ = self.ray.wait(list(self._refs), num_returns=1, timeout=1.0)
         worker = self._refs.pop(ready[0])
         return worker, self.ray.get(ready[0])
