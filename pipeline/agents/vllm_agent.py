@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from pipeline import reaper
 from pipeline.agents import llm_filter, prompts
 from pipeline.agents.base import AgentRequest, AgentResponse
 from pipeline.agents.llm_config import agent_fingerprint_fields, check_common, resolved_scoring
@@ -266,7 +267,10 @@ class VLLMAgent:
         # the settings in effect: answers depend on the dtype the engine runs, not on the word `auto`
         self._fields.update(scoring=self.scoring, max_model_len=kwargs["max_model_len"], dtype=kwargs["dtype"],
                             enforce_eager=kwargs["enforce_eager"])
+        before = set(reaper.descendants())
         self._llm: Any = vllm.LLM(**kwargs)
+        # the engine's processes die with this one even when it is killed (a Ray actor killed mid-run)
+        self._reaper = reaper.guard([p for p in reaper.descendants() if p not in before])
         self.start_s = time.perf_counter() - started
         # The builder gets its own tokenizer: with two batches in flight (see `answer_batch`) it encodes the next batch
         # while the engine detokenises the current one, and a fast tokenizer must not be used by two threads at once.
@@ -388,6 +392,10 @@ class VLLMAgent:
         llm, self._llm = getattr(self, "_llm", None), None
         if llm is None:
             return
+        watcher, self._reaper = getattr(self, "_reaper", None), None
+        if watcher is not None:  # the engine is shut down here; its pids must not be killed later once reused
+            watcher.kill()
+            watcher.wait()
         try:
             llm.llm_engine.engine_core.shutdown()
         except Exception as exc:  # a half-dead engine must not stop the rest of the clean-up

@@ -1,0 +1,60 @@
+"""Engine processes die with their owner, even when the owner is killed with SIGKILL (as `ray.kill` does to an agent
+actor): real processes, no engine needed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+psutil = pytest.importorskip("psutil")
+
+# An owner that starts a long-lived child (standing in for an engine worker), guards it, prints its pid, then waits.
+OWNER = r"""
+import subprocess, sys, time
+from pipeline import reaper
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+watcher = reaper.guard([child.pid])
+print(child.pid, watcher.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _gone(pid: int, timeout_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_killed_owner_takes_its_engine_processes_along():
+    env = os.environ | {"PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    owner = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True, env=env)
+    child, watcher = map(int, owner.stdout.readline().split())
+    try:
+        assert not _gone(child, timeout_s=1.5)  # the watcher leaves it alone while the owner lives
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.wait()
+        assert _gone(child), "the guarded child outlived its owner"
+        assert _gone(watcher), "the watcher did not exit after its owner"
+    finally:
+        for pid in (child, watcher):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_nothing_to_guard_starts_no_watcher():
+    from pipeline import reaper
+
+    assert reaper.guard([]) is None
