@@ -47,6 +47,9 @@ def add_parser(sub, add_agent_args, agent_options) -> None:
     e.add_argument("--conversations", default="", help="LoCoMo sample_ids to use, comma separated (default all)")
     e.add_argument("--max-cases", type=int, default=d("max_cases"),
                    help="keep at most N cases PER MECHANISM over the whole run, in file order (0: all)")
+    e.add_argument("--max-queries", type=int, default=d("max_queries"),
+                   help="try at most the first N eligible queries of each conversation (0: all); bounds the build "
+                        "with an expensive agent")
     e.add_argument("--replicates", type=int, default=d("replicates"), help="bootstrap replicates (default %(default)s)")
     e.add_argument("--permutation-budgets", default=",".join(map(str, d("budgets"))),
                    help="MeClear permutation budgets L (default %(default)s)")
@@ -70,11 +73,13 @@ def config_from_args(args: argparse.Namespace, agent_options) -> "EvalConfig":  
 
     if args.max_cases < 0:
         raise ConfigError(f"--max-cases {args.max_cases}: must be >= 0")
+    if args.max_queries < 0:
+        raise ConfigError(f"--max-queries {args.max_queries}: must be >= 0")
     if args.gpus_per_actor < 0:
         raise ConfigError(f"--gpus-per-actor {args.gpus_per_actor}: must be >= 0")
     return EvalConfig(
         locomo=args.locomo, conversations=tuple(_csv(args.conversations)), max_cases=args.max_cases,
-        methods=tuple(_csv(args.methods)), utility=tuple(_csv(args.utility)),
+        max_queries=args.max_queries, methods=tuple(_csv(args.methods)), utility=tuple(_csv(args.utility)),
         budgets=_ints("--permutation-budgets", args.permutation_budgets), seed=args.seed, replicates=args.replicates,
         top_k=args.top_k, redundancy=args.redundancy, tau=args.tau, kappa=args.kappa,
         filter_threshold=args.filter_threshold, dense=args.dense, agent=args.agent, agent_options=agent_options(args),

@@ -20,6 +20,7 @@ class EvalConfig(RunSettings):
     locomo: str
     conversations: tuple[str, ...] = ()  # sample_ids; empty = all
     max_cases: int = 0  # per mechanism, over the whole run; 0 = no cap
+    max_queries: int = 0  # eligible queries tried per conversation, in file order; 0 = all
     methods: tuple[str, ...] = DEFAULT_METHODS
     utility: tuple[str, ...] = UTILITY_MODES
     budgets: tuple[int, ...] = DEFAULT_BUDGETS
@@ -46,7 +47,8 @@ class EvalConfig(RunSettings):
 
     @property
     def build_config(self) -> BuildConfig:
-        return BuildConfig(top_k=self.top_k, redundancy=self.redundancy, max_cases=self.max_cases, seed=self.seed)
+        return BuildConfig(top_k=self.top_k, redundancy=self.redundancy, max_cases=self.max_cases,
+                           max_queries=self.max_queries, seed=self.seed)
 
     @property
     def method_config(self) -> MethodConfig:
