@@ -51,6 +51,16 @@ class ItemResult:
 
 
 def _one_line(exc: BaseException) -> str:
+    """An exception as one line that says what was wrong. A pydantic ValidationError (how vLLM refuses settings) puts
+    only "1 validation error for ModelConfig" on its first line; its errors' messages name the setting."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        try:
+            msgs = [str(e.get("msg", "")) for e in errors()]
+        except Exception:  # noqa: BLE001 - not pydantic after all
+            msgs = []
+        if any(msgs):
+            return f"{type(exc).__name__}: {'; '.join(m for m in msgs if m)}".replace("\n", " ")[:500]
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:500]
 
