@@ -11,19 +11,19 @@ from pipeline.io import writer
 from pipeline.schemas import UTILITIES, UTILITY_KEY
 
 
-def previous_utilities(folders: list[Path], agent_fp: str,
-                       mode: str) -> dict[tuple[str, str, str], tuple[np.ndarray, ...]]:
-    """Coalitions earlier runs already wrote for this agent and utility mode, by (pool, query, context hash). The
-    key covers everything a utility depends on (the context hash fixes the memories and their order; the agent
-    fingerprint the model and its settings), so a row whose key matches is reused whatever run wrote it."""
-    files = [f for folder in folders for f in sorted((folder / "utilities").glob("*.parquet"))]
-    if not files:
-        return {}
+CaseKey = tuple[str, str, str]  # (pool_id, query_id, context_hash)
+Previous = tuple[np.ndarray, np.ndarray, np.ndarray, list]  # coalitions, utilities, correct, answers
+
+
+def _read_previous(files: list[Path], agent_fp: str, mode: str, pool_id: str | None) -> dict[CaseKey, Previous]:
     import polars as pl
 
+    cond = (pl.col("agent") == agent_fp) & (pl.col("utility_mode") == mode) & pl.col("utility").is_finite()
+    if pool_id is not None:  # pushed down into the scan: row groups of other pools are skipped by their statistics
+        cond = (pl.col("pool_id") == pool_id) & cond
     df = (
         pl.scan_parquet(files)
-        .filter((pl.col("agent") == agent_fp) & (pl.col("utility_mode") == mode) & pl.col("utility").is_finite())
+        .filter(cond)
         .select("pool_id", "query_id", "context_hash", "coalition", "utility", "correct", "answer")
         .unique(subset=["pool_id", "query_id", "context_hash", "coalition"], keep="first")
         .collect()
@@ -34,6 +34,36 @@ def previous_utilities(folders: list[Path], agent_fp: str,
             g["coalition"].to_numpy(), g["utility"].to_numpy(), g["correct"].to_numpy(), g["answer"].to_list()
         )
     return found
+
+
+def previous_utilities(folders: list[Path], agent_fp: str, mode: str) -> dict[CaseKey, Previous]:
+    """Coalitions earlier runs already wrote for this agent and utility mode, by (pool, query, context hash). The
+    key covers everything a utility depends on (the context hash fixes the memories and their order; the agent
+    fingerprint the model and its settings), so a row whose key matches is reused whatever run wrote it. Reads
+    every pool at once; the driver reads one pool at a time (`PoolReuse`)."""
+    files = [f for folder in folders for f in sorted((folder / "utilities").glob("*.parquet"))]
+    return _read_previous(files, agent_fp, mode, None) if files else {}
+
+
+class PoolReuse:
+    """`previous_utilities` one pool at a time: the driver admits cases pool by pool, and only the current pool's
+    earlier rows are in memory (reading a 318k-row cache whole cost 0.85 s and +140 MB, growing with the run).
+    The file list is taken once, before this run writes its own parts."""
+
+    def __init__(self, folders: list[Path], agent_fp: str, mode: str):
+        self.files = [f for folder in folders for f in sorted((folder / "utilities").glob("*.parquet"))]
+        self.agent_fp, self.mode = agent_fp, mode
+        self._pool: str | None = None
+        self._found: dict[CaseKey, Previous] = {}
+        self.reads = 0  # pools read from disk (a test checks one read per pool)
+
+    def get(self, key: CaseKey) -> Previous | None:
+        if not self.files:
+            return None
+        if key[0] != self._pool:
+            self._pool, self._found = key[0], _read_previous(self.files, self.agent_fp, self.mode, key[0])
+            self.reads += 1
+        return self._found.pop(key, None)  # each case is admitted once: its rows are not needed again
 
 
 def previous_run_id(out: Path) -> str | None:

@@ -40,11 +40,11 @@ def _digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_part(table: pa.Table, folder: Path) -> Path:
-    """Write `table` as `part-<sha256 of its bytes>.parquet` in `folder` (identical content, identical name)."""
-    tmp = _tmp_name(folder / "part")
+def write_part(table: pa.Table, folder: Path, prefix: str = "part") -> Path:
+    """Write `table` as `<prefix>-<sha256 of its bytes>.parquet` in `folder` (identical content, identical name)."""
+    tmp = _tmp_name(folder / prefix)
     pq.write_table(table, tmp, compression="zstd")
-    final = folder / f"part-{_digest(tmp)[:24]}.parquet"
+    final = folder / f"{prefix}-{_digest(tmp)[:24]}.parquet"
     os.replace(tmp, final)
     return final
 
@@ -56,10 +56,12 @@ def rows_to_table(rows: list[dict] | dict[str, list], schema: pa.Schema) -> pa.T
 
 
 class PartWriter:
-    """Streams rows of one dataset into content-addressed part files as they arrive (flushed by size or age)."""
+    """Streams rows of one dataset into content-addressed part files as they arrive (flushed by size or age).
+    `prefix` starts every part's name (`run_parts` gives one per run attempt, so a finished run can drop the rest)."""
 
-    def __init__(self, folder: Path, schema: pa.Schema, flush_rows: int = 50_000, flush_s: float = 10.0):
-        self.folder, self.schema = Path(folder), schema
+    def __init__(self, folder: Path, schema: pa.Schema, flush_rows: int = 50_000, flush_s: float = 10.0,
+                 prefix: str = "part"):
+        self.folder, self.schema, self.prefix = Path(folder), schema, prefix
         self.folder.mkdir(parents=True, exist_ok=True)
         self.flush_rows, self.flush_s = flush_rows, flush_s
         self._buf: list[pa.Table] = []
@@ -79,13 +81,41 @@ class PartWriter:
         self._last = time.monotonic()
         if not self._rows:
             return
-        write_part(pa.concat_tables(self._buf), self.folder)
+        write_part(pa.concat_tables(self._buf), self.folder, self.prefix)
         self.parts += 1
         self.written += self._rows
         self._buf, self._rows = [], 0
 
-    def close(self) -> None:
+    def close(self, empty_part: bool = False) -> None:
+        """Flush; with `empty_part`, a writer that wrote nothing leaves one empty part, so the folder still reads
+        back with its schema (`polars.read_parquet` of a folder without files fails)."""
         self.flush()
+        if empty_part and not self.parts:
+            write_part(self.schema.empty_table(), self.folder, self.prefix)
+            self.parts += 1
+
+    def add_rows(self, rows: list[dict]) -> None:
+        if rows:
+            self.add({n: [r.get(n) for r in rows] for n in self.schema.names})
+
+
+def run_prefix(attempt: str) -> str:
+    """The part-name prefix of one run attempt's reduction parts."""
+    return f"part-{attempt}"
+
+
+def drop_other_parts(folder: Path, prefix: str) -> int:
+    """Remove every part in `folder` not named `<prefix>-*`: once a run has written all its reduction parts, the
+    rows of earlier runs (or of a crashed attempt of this one) go, so the folder holds exactly this run's rows. A crash
+    half way leaves a folder the next finished run cleans the same way. Returns the number of parts removed."""
+    gone = 0
+    for p in folder.glob("*.parquet"):
+        if not p.name.startswith(prefix + "-"):
+            p.unlink(missing_ok=True)
+            gone += 1
+    for tmp in folder.glob(".*.tmp"):  # a crashed writer's half file
+        tmp.unlink(missing_ok=True)
+    return gone
 
 
 def compact(folder: Path, schema: pa.Schema, key: Sequence[str]) -> dict:
