@@ -118,10 +118,14 @@ def drop_other_parts(folder: Path, prefix: str) -> int:
     return gone
 
 
-def compact(folder: Path, schema: pa.Schema, key: Sequence[str]) -> dict:
+def compact(folder: Path, schema: pa.Schema, key: Sequence[str], by: str | None = None) -> dict:
     """Rewrite every part of `folder` as one part holding each `key` once (the first written wins), then remove the
     old parts. A crash between the two steps leaves duplicates that readers deduplicate and the next compaction
-    removes, never a lost row. Returns {"rows", "dropped", "part", "seconds"}."""
+    removes, never a lost row. Returns {"rows", "dropped", "part", "seconds"}.
+
+    The rows are deduplicated one value of `by` at a time (default: the key's first column, the pool), each group
+    read with a pushed-down filter and appended as row groups of the one new part: memory is one pool's rows, not the
+    folder's (reading 320k rows whole took the 10k-query benchmark's driver from 234 MB to 516 MB)."""
     import polars as pl
 
     t = time.perf_counter()
@@ -129,19 +133,25 @@ def compact(folder: Path, schema: pa.Schema, key: Sequence[str]) -> dict:
     for tmp in folder.glob(".*.tmp"):  # a crashed writer's half file
         tmp.unlink(missing_ok=True)
     old = sorted(folder.glob("*.parquet"))
-    if old:
-        df = pl.read_parquet(old)
-        before = df.height
-        df = df.unique(subset=list(key), keep="first", maintain_order=True)
-        table = df.to_arrow().cast(schema)
-    else:
-        before, table = 0, schema.empty_table()
-    new = write_part(table, folder)
+    by = by or key[0]
+    tmp = _tmp_name(folder / "part")
+    before = rows = 0
+    with pq.ParquetWriter(tmp, schema, compression="zstd") as out:
+        groups = pl.scan_parquet(old).select(pl.col(by).unique()).collect()[by].sort().to_list() if old else []
+        for g in groups:
+            df = pl.scan_parquet(old).filter(pl.col(by) == g).collect()
+            before += df.height
+            df = df.unique(subset=list(key), keep="first", maintain_order=True)
+            rows += df.height
+            out.write_table(df.to_arrow().cast(schema))
+        if not groups:
+            out.write_table(schema.empty_table())
+    new = folder / f"part-{_digest(tmp)[:24]}.parquet"
+    os.replace(tmp, new)
     for p in old:
         if p != new:
             p.unlink(missing_ok=True)
-    return {"rows": table.num_rows, "dropped": before - table.num_rows, "part": new.name,
-            "seconds": round(time.perf_counter() - t, 3)}
+    return {"rows": rows, "dropped": before - rows, "part": new.name, "seconds": round(time.perf_counter() - t, 3)}
 
 
 def replace_dataset(out: Path, name: str, rows: list[dict], schema: pa.Schema) -> None:
