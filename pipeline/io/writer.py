@@ -55,9 +55,12 @@ def rows_to_table(rows: list[dict] | dict[str, list], schema: pa.Schema) -> pa.T
     return pa.Table.from_pylist(rows, schema=schema)
 
 
+ROW_BATCH = 1024  # dict rows per Arrow table in `PartWriter.add_rows`: ~1 MB of dicts at most
+
+
 class PartWriter:
     """Streams rows of one dataset into content-addressed part files as they arrive (flushed by size or age).
-    `prefix` starts every part's name (`run_parts` gives one per run attempt, so a finished run can drop the rest)."""
+    `prefix` starts every part's name (`run_prefix` gives one per run attempt, so a finished run can drop the rest)."""
 
     def __init__(self, folder: Path, schema: pa.Schema, flush_rows: int = 50_000, flush_s: float = 10.0,
                  prefix: str = "part"):
@@ -65,6 +68,7 @@ class PartWriter:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.flush_rows, self.flush_s = flush_rows, flush_s
         self._buf: list[pa.Table] = []
+        self._pending: list[dict] = []  # rows given as dicts, not yet a table (`add_rows`)
         self._rows = 0
         self._last = time.monotonic()
         self.parts = 0
@@ -78,6 +82,7 @@ class PartWriter:
             self.flush()
 
     def flush(self) -> None:
+        self._take_pending()
         self._last = time.monotonic()
         if not self._rows:
             return
@@ -95,7 +100,17 @@ class PartWriter:
             self.parts += 1
 
     def add_rows(self, rows: list[dict]) -> None:
-        if rows:
+        """Rows as dicts (a finished case's reductions: 1 to 10 rows). Gathered into one Arrow table per
+        `ROW_BATCH` rows, since building a table per case costs more than the case's reduction."""
+        self._pending.extend(rows)
+        if len(self._pending) >= ROW_BATCH:
+            self._take_pending()
+        elif time.monotonic() - self._last >= self.flush_s:  # a crash loses at most `flush_s` of finished cases
+            self.flush()
+
+    def _take_pending(self) -> None:
+        if self._pending:
+            rows, self._pending = self._pending, []
             self.add({n: [r.get(n) for r in rows] for n in self.schema.names})
 
 
