@@ -131,3 +131,30 @@ def test_sampled_plans_store_only_their_coalitions_and_estimate_as_dense(k):
     for a, b in zip(interactions_from_evaluated(st.values), interactions_from_evaluated(dense)):
         np.testing.assert_array_equal(a, b)
     assert set(prefix_masks(plan.permutations).ravel()) <= set(st.values.keys.tolist())
+
+
+def test_a_killed_driver_keeps_every_case_it_finished(tmp_path):
+    """Reductions are streamed as cases finish: after SIGKILL mid-run, clearances/ and attributions/ hold the cases
+    finished before the kill, with the rows an undisturbed run writes for them."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from test_resume_and_out import DYING_DRIVER
+
+    whole = tmp_path / "whole"
+    audit(whole, utility="correct", batch_size=32)
+    out = tmp_path / "killed"
+    env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.run([sys.executable, "-c", DYING_DRIVER, str(out), "12"], env=env, capture_output=True,
+                          timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    done = pl.read_parquet(out / "clearances")
+    assert 0 < done.height < 36
+    for name in ("clearances", "attributions"):
+        got = pl.read_parquet(out / name).drop("run_id")
+        want = pl.read_parquet(whole / name).drop("run_id").join(done.select("pool_id", "query_id"),
+                                                                 on=["pool_id", "query_id"], how="semi")
+        assert got.sort(got.columns).equals(want.sort(want.columns)), name

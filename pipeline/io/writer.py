@@ -103,7 +103,7 @@ class PartWriter:
         """Rows as dicts (a finished case's reductions: 1 to 10 rows). Gathered into one Arrow table per
         `ROW_BATCH` rows, since building a table per case costs more than the case's reduction."""
         self._pending.extend(rows)
-        if len(self._pending) >= ROW_BATCH:
+        if len(self._pending) >= min(ROW_BATCH, self.flush_rows):
             self._take_pending()
         elif time.monotonic() - self._last >= self.flush_s:  # a crash loses at most `flush_s` of finished cases
             self.flush()
