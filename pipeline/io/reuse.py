@@ -78,27 +78,35 @@ def previous_run_id(out: Path) -> str | None:
 
 def import_reused(folders: list[Path], out: Path, cases: list[tuple[str, str, str]], agent_fp: str, mode: str) -> int:
     """Copy into `out/utilities` the rows of earlier runs (`--reuse`) whose key this run needs and does not hold yet,
-    so the new folder is complete on its own. `cases`: the run's (pool_id, query_id, context_hash). Returns the
-    number of rows copied."""
+    so the new folder is complete on its own. `cases`: the run's (pool_id, query_id, context_hash). Read and written
+    one pool at a time (a filter pushed into the scan), so a whole earlier night is never in memory at once.
+    Returns the number of rows copied."""
     files = [f for folder in folders for f in sorted((folder / "utilities").glob("*.parquet"))]
     if not files or not cases:
         return 0
     import polars as pl
 
-    wanted = pl.DataFrame({"pool_id": [c[0] for c in cases], "query_id": [c[1] for c in cases],
-                           "context_hash": [c[2] for c in cases]})
-    df = (
-        pl.scan_parquet(files)
-        .filter((pl.col("agent") == agent_fp) & (pl.col("utility_mode") == mode) & pl.col("utility").is_finite())
-        .join(wanted.lazy(), on=["pool_id", "query_id", "context_hash"], how="semi")
-        .unique(subset=list(UTILITY_KEY), keep="first", maintain_order=True)
-        .collect()
-    )
     own = sorted((out / "utilities").glob("*.parquet"))
-    if own and df.height:
-        have = pl.scan_parquet(own).select(list(UTILITY_KEY)).collect()
-        df = df.join(have, on=list(UTILITY_KEY), how="anti")
-    if df.height:
-        (out / "utilities").mkdir(parents=True, exist_ok=True)
-        writer.write_part(df.to_arrow().cast(UTILITIES), out / "utilities")
-    return df.height
+    by_pool: dict[str, list[tuple[str, str, str]]] = {}
+    for c in cases:
+        by_pool.setdefault(c[0], []).append(c)
+    copied = 0
+    for pool_id, keys in by_pool.items():
+        wanted = pl.DataFrame({"pool_id": [c[0] for c in keys], "query_id": [c[1] for c in keys],
+                               "context_hash": [c[2] for c in keys]})
+        df = (
+            pl.scan_parquet(files)
+            .filter((pl.col("pool_id") == pool_id) & (pl.col("agent") == agent_fp) & (pl.col("utility_mode") == mode)
+                    & pl.col("utility").is_finite())
+            .join(wanted.lazy(), on=["pool_id", "query_id", "context_hash"], how="semi")
+            .unique(subset=list(UTILITY_KEY), keep="first", maintain_order=True)
+            .collect()
+        )
+        if own and df.height:
+            have = pl.scan_parquet(own).filter(pl.col("pool_id") == pool_id).select(list(UTILITY_KEY)).collect()
+            df = df.join(have, on=list(UTILITY_KEY), how="anti")
+        if df.height:
+            (out / "utilities").mkdir(parents=True, exist_ok=True)
+            writer.write_part(df.to_arrow().cast(UTILITIES), out / "utilities")
+            copied += df.height
+    return copied
