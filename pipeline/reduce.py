@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -173,7 +173,9 @@ class ClearanceRow:
     estimator: str
 
     def as_row(self) -> dict:
-        return asdict(self)
+        # Shallow: `dataclasses.asdict` deep-copies the lists and took 0.63 ms a case, more than the rest of streaming
+        # the case out; the row goes straight to the writer, which copies it into Arrow.
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass(frozen=True)
