@@ -36,7 +36,7 @@ from pipeline.pools import WorkerPool
 from pipeline.provenance import sha256_file, versions
 from pipeline.reduce import CaseRows, CaseState, ClearanceRow, ClearanceSummary, advance, finalize
 from pipeline.retrieval import Retriever
-from pipeline.schemas import DATASETS, ERRORS, UTILITIES, UTILITY_KEY
+from pipeline.schemas import DATASETS, UTILITIES, UTILITY_KEY
 from pipeline.settings import AuditConfig
 from pipeline.validation import fingerprint
 
