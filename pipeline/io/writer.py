@@ -1,10 +1,11 @@
-"""Parquet output: a content-addressed, append-only store for utilities; atomic replacement for the reductions.
+"""Parquet output: content-addressed, append-only part files for utilities and, per run attempt, for the reductions.
 
 Every file appears under its final name only once complete (written to a temporary name, then renamed), so a reader or
 a resumed run never sees half a file. Utility part files are named by the SHA-256 of their bytes: no run can overwrite
 another run's rows, and a crash at any point leaves only whole parts behind. `compact` deduplicates a folder on its key
 into one part, so after every finished run `utilities/` holds each key exactly once, however many crashes came before.
-`polars.scan_parquet(folder)` reads each dataset folder directly.
+Reduction parts are named `part-<attempt>-<sha256>` (`run_prefix`) and streamed as cases finish; a finished run drops
+every other part (`drop_other_parts`). `polars.scan_parquet(folder)` reads each dataset folder directly.
 """
 
 from __future__ import annotations
@@ -169,24 +170,9 @@ def compact(folder: Path, schema: pa.Schema, key: Sequence[str], by: str | None 
     return {"rows": rows, "dropped": before - rows, "part": new.name, "seconds": round(time.perf_counter() - t, 3)}
 
 
-def replace_dataset(out: Path, name: str, rows: list[dict], schema: pa.Schema) -> None:
-    """Write a whole dataset folder and swap it in, so the previous version stays intact until the new one is done.
-    Callers hold the output folder's lock (pipeline.io.outdir), so no second writer races the swap."""
-    final = out / name
-    staging = out / f".{name}.{uuid.uuid4().hex[:8]}.staging"
-    staging.mkdir(parents=True)
-    pq.write_table(rows_to_table(rows, schema), staging / "part-00000.parquet", compression="zstd")
-    old = None
-    if final.exists():
-        old = out / f".{name}.{uuid.uuid4().hex[:8]}.old"
-        os.replace(final, old)
-    os.replace(staging, final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def recover_swaps(out: Path, names: Sequence[str]) -> None:
-    """Undo what a crash mid-swap left: restore `name` from its `.old` copy when `name` is missing; drop leftovers."""
+    """Undo what a crash mid-swap of an earlier version (whole-folder reductions) left: restore `name` from its `.old`
+    copy when `name` is missing; drop leftovers."""
     for name in names:
         olds = sorted(out.glob(f".{name}.*.old"))
         if olds and not (out / name).exists():
