@@ -169,7 +169,7 @@ def print_summary(result, wall: float) -> None:
     print()
     for name, value in rows:
         print(f"  {name:<{width}}  {value}")
-    _print_clearances(result.clearances)
+    _print_clearances(result.summary)
     if result.failed:
         print(f"\n  {result.failed} queries failed and are in errors/ (first: "
               f"{safe(result.errors[0]['query_id'])}: {safe(result.errors[0]['reason'])})")
@@ -177,28 +177,24 @@ def print_summary(result, wall: float) -> None:
     print("  datasets: contexts/ utilities/ attributions/ interactions/ clearances/ errors/ manifest.json")
 
 
-def _print_clearances(clearances: list, limit: int = 12) -> None:
-    """Lead with the failing queries the clearance recovered, then those it could not, then gains on correct ones."""
-    recovered = [c for c in clearances if c.recovered is True]
-    unrecovered = [c for c in clearances if c.recovered is False]
-    improved = [c for c in clearances if c.recovered is None and c.cleared]
-    if recovered:
-        print(f"\n  wrongly answered, recovered by the clearance ({len(recovered)}):")
+def _print_clearances(summary, limit: int = 12) -> None:
+    """Lead with the failing queries the clearance recovered, then those it could not, then gains on correct ones.
+    `summary`: the driver's counts and first rows (`pipeline.reduce.ClearanceSummary`); all rows are in clearances/."""
+    recovered = [c for c in summary.rows if c.recovered is True]
+    if summary.recovered:
+        print(f"\n  wrongly answered, recovered by the clearance ({summary.recovered}):")
         print("  query                      cleared                          answer before -> after (gold)")
         for c in recovered[:limit]:
             ids = safe(",".join(c.cleared))
             print(f"  {safe(c.pool_id + '/' + c.query_id):<26} {ids[:32]:<32} "
                   f"{str(c.answer_before)[:20]!r} -> {str(c.answer_after)[:20]!r} ({str(c.gold)[:20]!r})")
-        if len(recovered) > limit:
-            print(f"  ... {len(recovered) - limit} more in clearances/")
-    if unrecovered:
-        reasons: dict[str, int] = {}
-        for c in unrecovered:
-            reasons[c.reason or "cleared, still wrong"] = reasons.get(c.reason or "cleared, still wrong", 0) + 1
-        why = ", ".join(f"{n} {r}" for r, n in sorted(reasons.items(), key=lambda kv: -kv[1]))
-        print(f"\n  wrongly answered, not recovered: {len(unrecovered)} ({why})")
-    if improved:
-        print(f"  answered correctly already, clearance raised the utility: {len(improved)} (see clearances/)")
+        if summary.recovered > limit:
+            print(f"  ... {summary.recovered - limit} more in clearances/")
+    if summary.unrecovered:
+        why = ", ".join(f"{n} {r}" for r, n in sorted(summary.unrecovered.items(), key=lambda kv: -kv[1]))
+        print(f"\n  wrongly answered, not recovered: {sum(summary.unrecovered.values())} ({why})")
+    if summary.improved:
+        print(f"  answered correctly already, clearance raised the utility: {summary.improved} (see clearances/)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,9 +1,12 @@
 """The audit's driver: frozen contexts -> coalition evaluations (streamed) -> attributions, interactions, clearances.
 
-`run_audit` plans each case, sends its coalitions to a pool of agents (`pipeline.pools`: in process or Ray actors)
-through the `Scheduler`, streams utilities to Parquet as they arrive, moves each case forward as its values come in
-(`pipeline.reduce.advance`: a second pass that the clearance still needs goes to the same worker), and writes the
-reductions atomically at the end. Rows are keyed by (pool, query, context hash, coalition, agent, utility mode), so
+`run_audit` plans cases lazily, a bounded window of them in flight (`case_window`), sends their coalitions to a pool
+of agents (`pipeline.pools`: in process or Ray actors) through the `Scheduler`, streams utilities to Parquet as they
+arrive, moves each case forward as its values come in (`pipeline.reduce.advance`: a second pass that the clearance
+still needs goes to the same worker), and streams each finished case's contexts, attributions, interactions and
+clearance to part files named by the run attempt, then drops its state: driver memory is the window, not the pool.
+When the run finishes, every other run's (and crashed attempt's) reduction parts are dropped, so each reduction
+folder holds exactly this run's rows; after a crash it holds every case that finished. Rows are keyed by (pool, query, context hash, coalition, agent, utility mode), so
 a rerun into the same folder (or one given `reuse=PREVIOUS_OUT`, `pipeline.io.reuse`) skips every coalition already
 written. Part files are content-addressed and compacted at the end of each run, so resuming after any crash
 converges: `utilities/` ends with every key exactly once. A case whose agent fails or returns a non-finite or
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,12 +31,12 @@ from pipeline.game.plan import popcount
 from pipeline.io import writer
 from pipeline.io.outdir import DATASET_NAMES, OutLock, check_out
 from pipeline.io.records import Pool, Query
-from pipeline.io.reuse import import_reused, previous_run_id, previous_utilities
+from pipeline.io.reuse import PoolReuse, import_reused, previous_run_id
 from pipeline.pools import WorkerPool
 from pipeline.provenance import sha256_file, versions
-from pipeline.reduce import CaseRows, CaseState, ClearanceRow, advance, finalize
+from pipeline.reduce import CaseRows, CaseState, ClearanceRow, ClearanceSummary, advance, finalize
 from pipeline.retrieval import Retriever
-from pipeline.schemas import DATASETS, ERRORS, UTILITIES, UTILITY_KEY
+from pipeline.schemas import DATASETS, UTILITIES, UTILITY_KEY
 from pipeline.settings import AuditConfig
 from pipeline.validation import fingerprint
 
@@ -55,10 +59,19 @@ class AuditResult:
     reused: int  # coalitions read back from an earlier run (this --out or --reuse)
     max_evaluations: int
     timings: dict[str, float]
+    # Example rows only, not one per query (all rows are in clearances/): `summary` holds the counts the CLI prints
+    # and at most `ClearanceSummary.limit` rows of each kind; `clearances` is its rows.
     clearances: list[ClearanceRow] = field(repr=False, default_factory=list)
     imported: int = 0  # of `reused`, rows copied from --reuse folders
     failed: int = 0  # cases that went to errors/ (the exit code is then non-zero)
-    errors: list[dict] = field(repr=False, default_factory=list)
+    errors: list[dict] = field(repr=False, default_factory=list)  # the first few error rows; all are in errors/
+    summary: ClearanceSummary | None = field(repr=False, default=None)
+    peak_cases_in_flight: int = 0  # most case states the driver held at once (bounded by its window)
+    window: int = 0
+
+    def __post_init__(self) -> None:
+        if self.summary is None:  # built by hand (tests, callers): summarise the rows given
+            self.summary = ClearanceSummary.of(self.clearances)
 
 
 class Scheduler:
@@ -90,6 +103,10 @@ class Scheduler:
                         n += len(it.masks)
                 self.agents.submit(w, "evaluate", batch)
                 self._inflight[w] += 1
+
+    def forget(self, case_index: int) -> None:
+        """A case is finished: its worker pin is no longer needed (the map would otherwise grow with the pool)."""
+        self._worker_of.pop(case_index, None)
 
     @property
     def busy(self) -> bool:
@@ -169,26 +186,91 @@ def context_rows(run_id: str, cases: list[Case]) -> list[dict]:
     ]
 
 
+# Cases in flight per task slot (workers x tasks each). A slot's task holds up to `batch_size` coalitions, i.e. whole
+# cases; four cases a slot's worth keeps every worker fed while finished cases are reduced and new ones planned.
+WINDOW_BATCHES = 4
+
+
+def case_window(agents: WorkerPool, batch_size: int, coalitions_per_case: int) -> int:
+    """How many cases may be in flight at once: enough to fill every worker's task slots `WINDOW_BATCHES` times over,
+    so the agents never wait for the driver to plan, and no more, so driver memory does not grow with the pool."""
+    per_task = max(1, batch_size // max(coalitions_per_case, 1))
+    return max(8, WINDOW_BATCHES * agents.n_workers * agents.max_inflight * per_task)
+
+
+class ReductionWriters:
+    """The per-case datasets, streamed as each case finishes: one part writer each, parts named by this run attempt
+    (`writer.run_prefix`), so a crash keeps every finished case and the end of the run drops other runs' parts."""
+
+    NAMES = ("contexts", "attributions", "interactions", "clearances", "errors")
+
+    def __init__(self, out: Path, attempt: str, flush_rows: int):
+        self.out, self.prefix = out, writer.run_prefix(attempt)
+        self.parts = {n: writer.PartWriter(out / n, DATASETS[n], flush_rows=flush_rows,
+                                           prefix=self.prefix) for n in self.NAMES}
+
+    def case_done(self, rows: CaseRows) -> None:
+        self.parts["attributions"].add_rows(rows.attributions)
+        self.parts["interactions"].add_rows(rows.interactions)
+        self.parts["clearances"].add_rows([rows.clearance.as_row()])
+
+    def close(self) -> None:
+        """Flush every writer, then drop the parts of other runs: the folders now hold exactly this run's rows."""
+        for w in self.parts.values():
+            w.close(empty_part=True)
+        for n in self.NAMES:
+            writer.drop_other_parts(self.out / n, self.prefix)
+
+
 class _Evaluation:
-    """The evaluation phase: every case's coalitions through the agents, values streamed to `utilities/` as they
-    arrive, each case moved forward (`reduce.advance`) until it is finalized or has failed for a data reason."""
+    """The evaluation phase: cases admitted lazily into a bounded window, their coalitions through the agents, values
+    streamed to `utilities/` as they arrive, each case moved forward (`reduce.advance`) until it is finalized (its rows
+    streamed out, its state dropped) or has failed for a data reason. Driver memory is the window, not the pool."""
 
     def __init__(self, cases: list[Case], config: AuditConfig, run_id: str, agents: WorkerPool, agent_fp: str,
-                 utilities: writer.PartWriter, progress: bool):
+                 utilities: writer.PartWriter, reductions: ReductionWriters, progress: bool,
+                 window: int | None = None):
         from pipeline.progress import progress_bar
 
         self.cases, self.config, self.run_id, self.agent_fp, self.utilities = cases, config, run_id, agent_fp, utilities
+        self.reductions = reductions
         self.sched = Scheduler(agents, config.batch_size)
-        self.states: list[CaseState] = []
-        self.finished: list[CaseRows | None] = [None] * len(cases)
-        self.failed: dict[int, list[dict]] = {}
+        self.window = window or case_window(agents, config.batch_size, _plan_size(cases, config))
+        self.states: dict[int, CaseState] = {}  # in flight only
+        self.peak_states = 0  # most case states alive at once (flatness: never above `window`)
+        self.summary = ClearanceSummary()
+        self.errors: list[dict] = []  # the first few error rows, for the CLI summary; all are in errors/
+        self.finished = self.failed = self.harmful = self.cases_with_harm = self.failing = 0
+        self.max_evaluations = 0
         self.reused = 0
         self.bar = progress_bar(total=len(cases), desc="cases", unit="case", enabled=progress)
 
-    def run(self, previous: dict[tuple[str, str, str], tuple[np.ndarray, ...]]) -> None:
-        """Plan every case (taking values an earlier run wrote), then evaluate until no task is in flight."""
+    def run(self, previous: PoolReuse) -> None:
+        """Admit cases pool by pool (one pool's earlier rows in memory at a time), keep the window full, evaluate
+        until every case is finished or failed."""
+        order = iter(_pool_order(self.cases))
+        more = self._admit(order, previous)
+        self.sched.fill()
+        while self.sched.busy:
+            for res in self.sched.wait():
+                self._receive(res)
+                self._advance(res.case_index)
+            more = more and self._admit(order, previous)
+            self.sched.fill()
+        if self.states:  # a driver bug: a case waits for values no task will bring
+            raise RuntimeError(f"{len(self.states)} cases neither finished nor failed")
+        self.utilities.close()
+        self.reductions.close()
+        self.bar.close()
+
+    def _admit(self, order, previous: PoolReuse) -> bool:
+        """Plan cases until the window is full; False once every case was admitted."""
         c = self.config
-        for ci, case in enumerate(self.cases):
+        while len(self.states) < self.window:
+            ci = next(order, None)
+            if ci is None:
+                return False
+            case = self.cases[ci]
             st = CaseState(case, make_plan(case.k, c.permutations, c.estimator, c.antithetic, case.seed,
                                            c.adaptive_round))
             prev = previous.get((case.query.pool_id, case.query.query_id, case.context.context_hash))
@@ -196,47 +278,77 @@ class _Evaluation:
                 st.record(*prev)
                 st.reused = len(prev[0])
                 self.reused += st.reused
-            self.states.append(st)
-            self._advance(ci)
-        self.sched.fill()
-        while self.sched.busy:
-            for res in self.sched.wait():
-                self._receive(res)
-                self._advance(res.case_index)
-            self.sched.fill()
-        self.utilities.close()
-        self.bar.close()
+            self.states[ci] = st
+            self.peak_states = max(self.peak_states, len(self.states))
+            self.reductions.parts["contexts"].add_rows(context_rows(self.run_id, [case]))
+            self._advance(ci)  # a case whose values were all reused finishes here and frees its slot
+        return True
 
     def _receive(self, res: ItemResult) -> None:
         """Record a task's values; a data failure stops its case here (its usable rows are kept, the run goes on)."""
-        st = self.states[res.case_index]
+        st = self.states.get(res.case_index)
+        if st is None:  # the case already failed on an earlier task
+            return
         utility = res.utility(self.config.utility)
-        bad = _error_rows(self.run_id, st.case, res, utility)
-        if bad:
-            if res.case_index not in self.failed:
-                self.bar.update(1)
-            self.failed.setdefault(res.case_index, []).extend(bad)
         if res.error is None:
             keep = _usable(utility)
             st.record(res.masks[keep], utility[keep], res.correct[keep], [a for a, k in zip(res.answer, keep) if k])
             if keep.any():
                 self.utilities.add(_utility_columns(self.run_id, st.case, res, utility, self.agent_fp,
                                                     self.config.utility, keep))
+        if bad := _error_rows(self.run_id, st.case, res, utility):
+            self.reductions.parts["errors"].add_rows(bad)
+            self.errors.extend(bad[: max(0, 12 - len(self.errors))])
+            self.failed += 1
+            self._drop(res.case_index)
 
     def _advance(self, ci: int) -> None:
-        if ci in self.failed:
+        st = self.states.get(ci)
+        if st is None:
             return
-        st = self.states[ci]
         if (need := advance(st, self.config.tau, self.config.adaptive_z)) is not None:
             self.sched.enqueue(WorkItem(ci, st.case, need.masks, need.stage), pin=need.pin)
         elif st.complete:
-            self.finished[ci] = finalize(st, self.run_id, self.config.tau, self.config.kappa)
-            self.bar.update(1)
+            self._done(finalize(st, self.run_id, self.config.tau, self.config.kappa))
+            self._drop(ci)
+
+    def _done(self, rows: CaseRows) -> None:
+        self.reductions.case_done(rows)
+        c = rows.clearance
+        self.summary.add(c)
+        self.finished += 1
+        self.harmful += c.harmful
+        self.cases_with_harm += c.harmful > 0
+        self.failing += not c.baseline_correct
+        self.max_evaluations = max(self.max_evaluations, c.evaluations)
+
+    def _drop(self, ci: int) -> None:
+        del self.states[ci]
+        self.sched.forget(ci)
+        self.bar.update(1)
+
+
+def _plan_size(cases: list[Case], c: AuditConfig) -> int:
+    """First-pass coalitions of the first case's plan: what sizes the window (cases of one run share K)."""
+    if not cases:
+        return 1
+    return make_plan(cases[0].k, c.permutations, c.estimator, c.antithetic, cases[0].seed, c.adaptive_round).n_coalitions
+
+
+def _pool_order(cases: list[Case]) -> list[int]:
+    """Case indices grouped by pool (pools in order of first appearance, cases in input order within a pool), so the
+    resume cache is read one pool at a time."""
+    first: dict[str, int] = {}
+    for i, c in enumerate(cases):
+        first.setdefault(c.query.pool_id, i)
+    return sorted(range(len(cases)), key=lambda i: (first[cases[i].query.pool_id], i))
 
 
 def _open_run(out: Path, config: AuditConfig, agent_fp: str,
-              input_files: list[str]) -> tuple[str, list[dict], str | None]:
-    """(run_id, inputs with their hashes, the run whose reductions `out` holds). Marks `out` as running."""
+              input_files: list[str]) -> tuple[str, str, list[dict], str | None]:
+    """(run_id, attempt, inputs with their hashes, the run whose reductions `out` holds). Marks `out` as running.
+    `attempt` names this attempt's reduction parts: a rerun of the same run_id after a crash is a new attempt, and
+    its end drops the crashed attempt's parts with every other run's."""
     inputs = [{"path": str(p), "sha256": sha256_file(p)} for p in input_files]
     run_id = fingerprint({"config": asdict(config), "inputs": [i["sha256"] for i in inputs], "agent": agent_fp})
     out.mkdir(parents=True, exist_ok=True)
@@ -246,24 +358,10 @@ def _open_run(out: Path, config: AuditConfig, agent_fp: str,
         log.warning("%s: replacing the reductions of run %s (other settings or inputs) with run %s; its utilities "
                     "stay and are reused where their key matches", out, previous_run, run_id)
     # Until this run finishes, the manifest says so: a reader never mistakes a crashed run's folder for a complete one.
-    writer.write_json_atomic(out / "manifest.json", {"run_id": run_id, "status": "running", "datasets": sorted(DATASETS)})
-    return run_id, inputs, previous_run
-
-
-def _write_reductions(out: Path, run_id: str, cases: list[Case], ev: _Evaluation) -> tuple[list[dict], list[dict]]:
-    """contexts/, attributions/, interactions/, clearances/ and errors/, each replaced atomically; returns the
-    clearance and error rows."""
-    rows = [r for r in ev.finished if r is not None]
-    if len(rows) + len(ev.failed) != len(cases):
-        raise RuntimeError(f"{len(cases) - len(rows) - len(ev.failed)} cases neither finished nor failed")  # a driver bug
-    errors = [e for ci in sorted(ev.failed) for e in ev.failed[ci]]
-    writer.replace_dataset(out, "contexts", context_rows(run_id, cases), DATASETS["contexts"])
-    writer.replace_dataset(out, "attributions", [a for r in rows for a in r.attributions], DATASETS["attributions"])
-    writer.replace_dataset(out, "interactions", [a for r in rows for a in r.interactions], DATASETS["interactions"])
-    clearances = [r.clearance for r in rows]
-    writer.replace_dataset(out, "clearances", [c.as_row() for c in clearances], DATASETS["clearances"])
-    writer.replace_dataset(out, "errors", errors, ERRORS)
-    return clearances, errors
+    attempt = uuid.uuid4().hex[:12]
+    writer.write_json_atomic(out / "manifest.json", {"run_id": run_id, "status": "running", "attempt": attempt,
+                                                     "datasets": sorted(DATASETS)})
+    return run_id, attempt, inputs, previous_run
 
 
 def run_audit(
@@ -278,23 +376,25 @@ def run_audit(
     reuse: list[str | Path] | None = None,
     lock: OutLock | None = None,
     flush_rows: int = 50_000,
+    window: int | None = None,
 ) -> AuditResult:
     """Run an audit on an already-started pool of `pipeline.evaluate.AgentWorker`s. Inputs must be validated (the
     loaders do that).
 
     `lock`: the output folder's lock when the caller already holds it (`pipeline.audit.audit` takes it before
     starting agents); otherwise the folder is checked and locked here. `reuse`: earlier run folders whose utilities
-    are reused by key.
+    are reused by key. `window`: most cases in flight at once (default `case_window`: enough to keep every worker
+    busy).
     """
     out = Path(out)
     if lock is None:
         check_out(out, input_files or [])
         with OutLock(out) as own:
             return run_audit(pools, queries, config, out, agents, agent_fingerprint, input_files, progress,
-                             reuse, own, flush_rows)
+                             reuse, own, flush_rows, window)
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
-    run_id, inputs, previous_run = _open_run(out, config, agent_fingerprint, input_files or [])
+    run_id, attempt, inputs, previous_run = _open_run(out, config, agent_fingerprint, input_files or [])
 
     t = time.perf_counter()
     retriever = Retriever(pools, config.top_k, config.dense, progress=progress)  # embeddings cached ($MECLEAR_CACHE)
@@ -305,41 +405,44 @@ def run_audit(
 
     keys = [(c.query.pool_id, c.query.query_id, c.context.context_hash) for c in cases]
     imported = import_reused([Path(r) for r in (reuse or [])], out, keys, agent_fingerprint, config.utility)
-    previous = previous_utilities([out], agent_fingerprint, config.utility)
+    del keys
+    previous = PoolReuse([out], agent_fingerprint, config.utility)  # one pool's earlier rows in memory at a time
     utilities = writer.PartWriter(out / "utilities", UTILITIES, flush_rows=flush_rows)
-    ev = _Evaluation(cases, config, run_id, agents, agent_fingerprint, utilities, progress)
+    reductions = ReductionWriters(out, attempt, flush_rows)
+    ev = _Evaluation(cases, config, run_id, agents, agent_fingerprint, utilities, reductions, progress, window)
     t = time.perf_counter()
-    ev.run(previous)
+    ev.run(previous)  # reductions streamed as cases finish; this run's rows alone remain when it returns
     timings["evaluate_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
     store = writer.compact(out / "utilities", UTILITIES, UTILITY_KEY)
     timings["compact_s"] = time.perf_counter() - t
-
-    t = time.perf_counter()
-    clearances, errors = _write_reductions(out, run_id, cases, ev)
-    timings["write_s"] = time.perf_counter() - t
+    timings["write_s"] = timings["compact_s"]  # reductions are written during evaluation; only compaction is left
     timings["total_s"] = time.perf_counter() - t_start
 
     result = AuditResult(
         run_id=run_id,
         out=out,
         cases=len(cases),
-        harmful=sum(c.harmful for c in clearances),
-        cases_with_harm=sum(c.harmful > 0 for c in clearances),
-        failing=sum(not c.baseline_correct for c in clearances),
-        recovered=sum(c.recovered is True for c in clearances),
+        harmful=ev.harmful,
+        cases_with_harm=ev.cases_with_harm,
+        failing=ev.failing,
+        recovered=ev.summary.recovered,
         evaluated=utilities.written,
         reused=ev.reused,
-        max_evaluations=max((c.evaluations for c in clearances), default=0),
+        max_evaluations=ev.max_evaluations,
         timings=timings,
-        clearances=clearances,
-        failed=len(ev.failed),
-        errors=errors,
+        clearances=ev.summary.rows,
+        failed=ev.failed,
+        errors=ev.errors,
         imported=imported,
+        summary=ev.summary,
+        peak_cases_in_flight=ev.peak_states,
+        window=ev.window,
     )
     manifest = _manifest(result, config, agent_fingerprint, retriever.mode, inputs)
     manifest["utilities"] = store | {"complete": True}
+    manifest["attempt"] = attempt  # every reduction part is named part-<attempt>-<digest>.parquet
     manifest["reuse"] = [str(r) for r in (reuse or [])]
     manifest["replaced_run"] = previous_run if previous_run != run_id else None
     writer.write_json_atomic(out / "manifest.json", manifest)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -21,6 +21,10 @@ from pipeline.game import (
 )
 from pipeline.game.adaptive import DEFAULT_Z, estimate, stop_reason
 from pipeline.game.clearance import Clearance
+from pipeline.game.sparse import SparseTable
+
+# A value table: dense (exact plans, 2^K floats) or sparse (sampled plans: only the coalitions evaluated).
+ValueTable = np.ndarray | SparseTable
 
 
 @dataclass
@@ -29,8 +33,8 @@ class CaseState:
 
     case: Case
     plan: GamePlan
-    values: np.ndarray = field(init=False)  # NaN = not evaluated
-    correct: np.ndarray = field(init=False)
+    values: ValueTable = field(init=False)  # NaN = not evaluated
+    correct: ValueTable = field(init=False)
     answers: dict[int, str] = field(default_factory=dict)  # coalition -> the agent's answer
     reused: int = 0  # coalitions taken from an earlier run's utilities
     phi: np.ndarray | None = None
@@ -40,8 +44,11 @@ class CaseState:
     stop: str | None = None  # adaptive: "separation" or "cap" once it stopped
 
     def __post_init__(self) -> None:
-        self.values = np.full(1 << self.case.k, np.nan)
-        self.correct = np.zeros(1 << self.case.k, dtype=bool)
+        k = self.case.k
+        if self.plan.estimator == "exact":  # every coalition is evaluated: a dense array is the smallest table
+            self.values, self.correct = np.full(1 << k, np.nan), np.zeros(1 << k, dtype=bool)
+        else:  # sampled: at most L*(K-1)+2 of the 2^K coalitions (pipeline.game.sparse)
+            self.values, self.correct = SparseTable(k), SparseTable(k, fill=False, dtype=bool)
         adaptive = self.plan.estimator == "adaptive"
         self.used = min(self.plan.round_size, self.plan.budget) if adaptive else len(self.plan.permutations)
 
@@ -79,7 +86,8 @@ class CaseState:
 
     @property
     def evaluations(self) -> int:
-        return int(np.count_nonzero(~np.isnan(self.values)))
+        stored = self.values.stored if isinstance(self.values, SparseTable) else self.values
+        return int(np.count_nonzero(~np.isnan(stored)))
 
     @property
     def complete(self) -> bool:
@@ -165,7 +173,9 @@ class ClearanceRow:
     estimator: str
 
     def as_row(self) -> dict:
-        return asdict(self)
+        # Shallow: `dataclasses.asdict` deep-copies the lists and took 0.63 ms a case, more than the rest of streaming
+        # the case out; the row goes straight to the writer, which copies it into Arrow.
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass(frozen=True)
@@ -245,3 +255,36 @@ def finalize(state: CaseState, run_id: str, tau: float, kappa: float) -> CaseRow
         estimator=plan.estimator,
     )
     return CaseRows(attributions, interactions, clearance, result)
+
+
+@dataclass
+class ClearanceSummary:
+    """What the CLI summary prints about clearances, kept as counts while rows stream to `clearances/`: the driver
+    holds at most `limit` example rows of each kind, not one row per query (22 KB a query in all, before streaming)."""
+
+    limit: int = 64  # rows kept per kind; the CLI prints 12, and the sample pool's 36 queries fit whole
+    recovered: int = 0
+    unrecovered: dict[str, int] = field(default_factory=dict)  # reason -> count
+    improved: int = 0  # answered right already, and the clearance raised the utility
+    rows: list[ClearanceRow] = field(default_factory=list)
+    _kept: dict[str, int] = field(default_factory=dict, repr=False)
+
+    def add(self, row: ClearanceRow) -> None:
+        kind = {True: "recovered", False: "unrecovered"}.get(row.recovered, "improved" if row.cleared else "other")
+        if kind == "recovered":
+            self.recovered += 1
+        elif kind == "unrecovered":
+            reason = row.reason or "cleared, still wrong"
+            self.unrecovered[reason] = self.unrecovered.get(reason, 0) + 1
+        elif kind == "improved":
+            self.improved += 1
+        if self._kept.get(kind, 0) < self.limit:
+            self._kept[kind] = self._kept.get(kind, 0) + 1
+            self.rows.append(row)
+
+    @classmethod
+    def of(cls, rows: list[ClearanceRow]) -> "ClearanceSummary":
+        s = cls(limit=max(len(rows), 1))
+        for r in rows:
+            s.add(r)
+        return s

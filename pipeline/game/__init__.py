@@ -11,8 +11,10 @@ from pipeline.game.attribution import (
 from pipeline.game.clearance import Clearance, clearance_coalitions, harmful_ranking, select_clearance
 from pipeline.game.adaptive import stop_reason
 from pipeline.game.plan import GamePlan, make_plan
+from pipeline.game.sparse import SparseTable
 
 __all__ = [
+    "SparseTable",
     "Clearance",
     "GamePlan",
     "clearance_coalitions",

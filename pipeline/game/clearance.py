@@ -57,7 +57,7 @@ def select_clearance(
     util = values[kept]
     if np.isnan(util).any():
         raise ValueError("clearance needs every nested candidate evaluated; run clearance_coalitions first")
-    ok = np.asarray(correct, dtype=bool)[kept]
+    ok = np.asarray(correct[kept], dtype=bool)  # index first: `correct` may be a SparseTable
     gains = util - util[0]
     best = 0
     for c in range(1, len(removals)):  # nested and growing: the first index reaching the best gain is the smallest
