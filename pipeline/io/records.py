@@ -6,7 +6,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 from pipeline.errors import InputError
 from pipeline.text import gold_index, normalize_answer
