@@ -85,3 +85,22 @@ def test_typed_clearance_rows_follow_the_clearances_schema():
     from pipeline.schemas import CLEARANCES
 
     assert [f.name for f in dataclasses.fields(ClearanceRow)] == CLEARANCES.names
+
+
+def test_eval_max_queries_bounds_the_queries_tried_per_conversation(tmp_path, capsys):
+    """`meclear eval --max-queries N` clean-checks only the first N eligible queries of each conversation."""
+    import json
+
+    from data_paths import LOCOMO
+    from pipeline.cli import main
+
+    if not LOCOMO.exists():
+        pytest.skip("LoCoMo is not beside the checkout")
+    out = tmp_path / "e"
+    rc = main(["eval", "--locomo", str(LOCOMO), "--out", str(out), "--conversations", "conv-26", "--max-queries", "6",
+               "--replicates", "20", "--dense", "off", "--executor", "local", "--no-progress"])
+    assert rc == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["queries"]["eligible"] == 6 and summary["queries"]["checked"] <= 6
+    assert main(["eval", "--locomo", str(LOCOMO), "--out", str(tmp_path / "f"), "--max-queries", "-1"]) == 2
+    assert not (tmp_path / "f").exists()
