@@ -289,7 +289,7 @@ def run_bare(engine_config: Any, warmup: Sequence[WorkItem], batches: Sequence[S
         tokens: dict[str, tuple[int, int]] = {}
         for _ in range(repetitions):  # interleaved, so drift in machine load hits every variant alike
             for name, prepared in (("text", text), ("canonical", canonical), ("shuffled", shuffled)):
-                secs, prompt, cached = run(prepared, render=name == "text")
+                secs, prompt, cached = run(prepared, render=name == "text" and not cloze)  # cloze: token ids, see above
                 times[name].append(secs)
                 tokens.setdefault(name, (prompt, cached))
     finally:
