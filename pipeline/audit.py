@@ -107,14 +107,24 @@ def agents_running(config: AuditConfig, spec: AgentSpec) -> Iterator[tuple[Worke
         finally:
             pool.close()
         return
-    from pipeline.ray_exec import cluster_session, start_agent_pool
+    from pipeline.ray_exec import EMBED_CPUS, cluster_session, start_agent_pool
 
     with cluster_session():
-        pool, fp = start_agent_pool(spec, config.actors, config.cpus_per_actor, config.gpus_per_actor)
+        pool, fp = start_agent_pool(spec, config.actors, config.cpus_per_actor, config.gpus_per_actor,
+                                    reserve_cpus=config.embed_actors * EMBED_CPUS)
         try:
             yield pool, fp
         finally:
             pool.close()
+
+
+def _embed_actors(config: AuditConfig):
+    """What starts the embedding actors (`--embed-actors N`, Ray only) when the cache first lacks a text, or None."""
+    if config.executor != "ray" or not config.embed_actors:
+        return None
+    from pipeline.ray_exec import start_embed_pool
+
+    return lambda: start_embed_pool(config.embed_actors)
 
 
 def audit(inputs: InputSpec, config: AuditConfig, out: str | Path, progress: bool = True,
@@ -134,7 +144,8 @@ def audit(inputs: InputSpec, config: AuditConfig, out: str | Path, progress: boo
         t = time.perf_counter()
         with agents_running(config, spec) as (agents, fingerprint):
             startup = time.perf_counter() - t
-            result = run_audit(pools, queries, config, out, agents, fingerprint, files, progress, reuse_dirs, lock)
+            result = run_audit(pools, queries, config, out, agents, fingerprint, files, progress, reuse_dirs, lock,
+                               encoder=_embed_actors(config))
     result.timings["agents_startup_s"] = startup
     return result
 

@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--utility", choices=UTILITY_MODES, default=d.utility, help="utility v(S) of a coalition")
     a.add_argument("--dense", choices=DENSE_MODES, default=d.dense, help="MiniLM dense retrieval")
     a.add_argument("--batch-size", type=int, default=d.batch_size, help="coalitions per actor task")
+    a.add_argument("--embed-actors", type=int, default=d.embed_actors,
+                   help="--executor ray: Ray actors embedding texts the cache lacks (0: the driver embeds)")
     _add_agent_args(a)
     a.set_defaults(func=cmd_audit)
 
@@ -141,7 +143,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
         top_k=args.top_k, permutations=args.permutations, estimator=args.estimator, antithetic=args.antithetic,
         tau=args.tau, kappa=args.kappa, seed=args.seed, utility=args.utility, dense=args.dense, agent=args.agent,
         agent_options=_agent_options(args), executor=args.executor, actors=args.actors,
-        gpus_per_actor=args.gpus_per_actor, batch_size=args.batch_size,
+        gpus_per_actor=args.gpus_per_actor, batch_size=args.batch_size, embed_actors=args.embed_actors,
         adaptive_round=args.adaptive_round, adaptive_z=args.adaptive_z,
     )
     what = "the bundled sample pool" if inputs.is_sample else (args.locomo or ", ".join(args.memories or args.mem0))

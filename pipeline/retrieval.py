@@ -16,7 +16,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -37,6 +37,9 @@ RRF_K = 60  # the usual reciprocal-rank-fusion constant (Cormack et al., 2009)
 # seeds 1, 2, 3, 5, 6 (the "1 of 3 runs" flip of conv-49:q159), and the ranks of the whole conversation differed
 # between seeds. Scores are below ~50, so 1e-9 is far above float64 rounding (~1e-14) and far below real gaps.
 BM25_DECIMALS = 9
+# An embedding progress bar only for calls long enough to need one (~4 s of MiniLM on 2 cores): the stream embeds pool
+# by pool, and a bar per small pool would bury the log.
+PROGRESS_MIN_TEXTS = 1024
 
 
 class BM25:
@@ -192,54 +195,92 @@ class Retriever:
 
     Embeddings (memories and questions) go through the on-disk cache (`pipeline.embeddings`), so a rerun over an
     unchanged pool embeds nothing. `cache_dir=None` uses `$MECLEAR_CACHE` (default ~/.cache/meclear); `cache=False`
-    embeds without reading or writing the cache. After `freeze_all`, `stats` says what was embedded and reused.
+    embeds without reading or writing the cache. `encoder`: what embeds the texts the cache lacks, called only then
+    (a `pipeline.embeddings.PoolEncoder` over Ray actors, or a callable returning one, so that no actor starts when
+    the cache is warm); default MiniLM in this process. `stats` says what was embedded and reused.
+
+    `stream` is the audit's retrieval stage: pool by pool, it embeds that pool's new texts and yields its frozen
+    contexts, then drops the pool's index, so contexts reach the agents while later pools are still embedded and
+    only one pool's index is held. `freeze_all` is the same for callers that want a list.
     """
 
     def __init__(self, pools: dict[str, Pool], top_k: int = DEFAULT_TOP_K, dense: str = "auto",
-                 cache_dir: str | Path | None = None, cache: bool = True, progress: bool = False):
+                 cache_dir: str | Path | None = None, cache: bool = True, progress: bool = False,
+                 encoder: object | None = None):
         check_top_k(top_k, "retrieval")
         self.pools, self.top_k, self.progress = pools, top_k, progress
-        self.encoder = MiniLMEncoder() if use_dense(dense) else None
-        self.cache = EmbeddingCache(self.encoder.model_id, cache_dir) if (self.encoder and cache) else None
-        self.mode = retrieval_mode(self.encoder is not None)
+        dense_on = use_dense(dense)
+        self._local = MiniLMEncoder() if dense_on else None  # its model id names the cache; weights load on first use
+        self._encoder_arg = encoder
+        self._encoder = None
+        self.cache = EmbeddingCache(self._local.model_id, cache_dir) if (dense_on and cache) else None
+        self.mode = retrieval_mode(dense_on)
         log.info("retrieval: %s, K=%d", self.mode, top_k)
-        self._bm25: dict[str, BM25] = {}
-        self._emb: dict[str, np.ndarray] = {}
-        self.stats = {"texts_embedded": 0, "texts_cached": 0, "embed_s": 0.0, "bm25_s": 0.0}
+        # encoder_started: 1 once a given encoder (embedding actors) was started, i.e. the cache lacked a text
+        self.stats = {"texts_embedded": 0, "texts_cached": 0, "embed_s": 0.0, "bm25_s": 0.0, "encoder_started": 0}
+
+    @property
+    def dense(self) -> bool:
+        return self._local is not None
+
+    @property
+    def encoder(self):
+        """What embeds new texts, built on first need (an actor pool starts only when the cache lacks a text)."""
+        if self._encoder is None:
+            arg = self._encoder_arg
+            self._encoder = (arg() if callable(arg) and not hasattr(arg, "encode") else arg) or self._local
+            self.stats["encoder_started"] = int(self._encoder is not self._local)
+        return self._encoder
 
     def _embed(self, texts: list[str]) -> np.ndarray:
         t = time.perf_counter()
-        emb, n_new = embed_cached(self.encoder, texts, self.cache, self.progress)
+        emb, n_new = embed_cached(self, texts, self.cache, self.progress)
         self.stats["embed_s"] += time.perf_counter() - t
         self.stats["texts_embedded"] += n_new
         self.stats["texts_cached"] += len(set(texts)) - n_new
         return emb
 
+    def encode(self, texts: Sequence[str], progress: bool = False) -> np.ndarray:
+        """The texts the cache lacks, embedded by `encoder` (`embed_cached` calls this)."""
+        return self.encoder.encode(texts, progress=progress and len(texts) >= PROGRESS_MIN_TEXTS)
+
+    def stream(self, queries: Sequence[Query]) -> Iterator[tuple[str, list[tuple[Query, FrozenContext]]]]:
+        """(pool id, [(query, frozen context), ...]) pool by pool: pools in order of their first query, queries in
+        input order within a pool (the order the audit admits cases in)."""
+        by_pool: dict[str, list[Query]] = {}
+        for q in queries:
+            by_pool.setdefault(q.pool_id, []).append(q)
+        for pool_id, pool_queries in by_pool.items():
+            memories = self.pools[pool_id].memories
+            q_emb = pool_emb = None
+            if self.dense:  # the pool's memories and its questions in one call: the new ones share length-sorted batches
+                emb = self._embed([m.text for m in memories] + [q.question for q in pool_queries])
+                pool_emb, q_emb = emb[: len(memories)], emb[len(memories):]
+            t = time.perf_counter()
+            bm25 = BM25([m.text for m in memories])
+            contexts = []
+            for qi, q in enumerate(pool_queries):
+                dense_scores = dense_similarity(pool_emb, q_emb[qi]) if self.dense else None
+                contexts.append(fuse_and_freeze(q, memories, bm25.scores(q.question), dense_scores, self.top_k))
+            self.stats["bm25_s"] += time.perf_counter() - t
+            del bm25, pool_emb, q_emb  # one pool's index at a time
+            yield pool_id, list(zip(pool_queries, contexts))
+
     def freeze_all(self, queries: Sequence[Query]) -> list[FrozenContext]:
+        """The frozen contexts of `queries`, in input order."""
         from tqdm.auto import tqdm
 
-        if self.encoder is not None:
-            # every text embedded in one call: the new ones of all pools share length-sorted batches
-            needed = [p for p in dict.fromkeys(q.pool_id for q in queries) if p not in self._emb]
-            mem_texts = [m.text for p in needed for m in self.pools[p].memories]
-            all_emb = self._embed(mem_texts + [q.question for q in queries])
-            at = 0
-            for p in needed:
-                n = len(self.pools[p].memories)
-                self._emb[p] = all_emb[at : at + n]
-                at += n
-            q_emb = all_emb[at:]
-        out = []
-        t = time.perf_counter()
-        for qi, q in enumerate(tqdm(queries, desc="retrieve", unit="query", disable=not self.progress)):
-            pool = self.pools[q.pool_id]
-            if q.pool_id not in self._bm25:
-                self._bm25[q.pool_id] = BM25([m.text for m in pool.memories])
-            bm25_scores = self._bm25[q.pool_id].scores(q.question)
-            dense_scores = dense_similarity(self._emb[q.pool_id], q_emb[qi]) if self.encoder else None
-            out.append(fuse_and_freeze(q, pool.memories, bm25_scores, dense_scores, self.top_k))
-        self.stats["bm25_s"] += time.perf_counter() - t
-        return out
+        frozen = {}
+        with tqdm(total=len(queries), desc="retrieve", unit="query", disable=not self.progress) as bar:
+            for _, pairs in self.stream(queries):
+                frozen.update((id(q), c) for q, c in pairs)
+                bar.update(len(pairs))
+        return [frozen[id(q)] for q in queries]
+
+    def close(self) -> None:
+        """Stop an encoder this retriever started (an actor pool)."""
+        if self._encoder is not None and self._encoder is not self._local and hasattr(self._encoder, "close"):
+            self._encoder.close()
 
 
 def dense_similarity(pool_emb: np.ndarray, q_emb: np.ndarray) -> np.ndarray:

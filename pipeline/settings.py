@@ -87,13 +87,16 @@ class AuditConfig(RunSettings):
     antithetic: bool = False
     utility: str = "probability"
     cpus_per_actor: float = 1.0
+    # --executor ray: Ray actors that embed the texts the embedding cache lacks (1 CPU each, started only when a text
+    # is missing); 0 embeds in the driver. Not part of what a result depends on (same batches, same vectors).
+    embed_actors: int = 0
     batch_size: int = 256  # coalitions per actor task (whole cases are never split across tasks)
     adaptive_round: int = ADAPTIVE_ROUND  # estimator "adaptive": permutations per round; `permutations` is the cap
     adaptive_z: float = DEFAULT_Z  # estimator "adaptive": stop when |phi + tau| > z * SE for every memory
 
     def __post_init__(self) -> None:
         w = "audit config"
-        for name in ("top_k", "permutations", "batch_size"):  # YAML `true` is no count
+        for name in ("top_k", "permutations", "batch_size", "embed_actors"):  # YAML `true` is no count
             check_integer(getattr(self, name), w, name)
         self.check_run_settings(w)
         check_number(self.cpus_per_actor, w, "cpus_per_actor")
@@ -110,5 +113,8 @@ class AuditConfig(RunSettings):
         check(isinstance(self.adaptive_z, (int, float)) and self.adaptive_z > 0, w, f"adaptive_z={self.adaptive_z!r}; must be > 0")
         check(self.cpus_per_actor > 0, w, f"cpus_per_actor={self.cpus_per_actor!r}; must be > 0")
         check(self.batch_size >= 1, w, f"batch_size={self.batch_size!r}; must be >= 1")
+        check(self.embed_actors >= 0, w, f"embed_actors={self.embed_actors!r}; must be >= 0")
+        check(self.embed_actors == 0 or self.executor == "ray", w,
+              f"embed_actors={self.embed_actors} needs executor 'ray' (with 'local' the driver embeds)")
 
 

@@ -41,7 +41,9 @@ def test_case_states_alive_never_exceed_the_window_and_rows_equal_a_whole_pool_w
     assert small.cases == 36 and small.window == 3
     assert small.peak_cases_in_flight == 3  # filled, and never above: 12 times fewer states than cases
     whole = audit(tmp_path / "whole", window=1000)
-    assert whole.peak_cases_in_flight == 36
+    # admitted as retrieval freezes them (a pool at a time, evaluation not waiting for later pools): never all 36
+    # at once here, but far more than the small window
+    assert 3 < whole.peak_cases_in_flight <= 36
     for name in REDUCTIONS:
         assert rows(tmp_path / "small", name) == rows(tmp_path / "whole", name), name
     assert (small.harmful, small.recovered, small.failing) == (whole.harmful, whole.recovered, whole.failing)

@@ -28,17 +28,6 @@ from pipeline.retrieval import (
 )
 
 
-def encode_sorted(encoder: MiniLMEncoder, texts: Sequence[str]) -> np.ndarray:
-    """Embed texts in batches of similar length (much less padding than input order), returned in input order."""
-    if not texts:
-        return np.zeros((0, 384), dtype=np.float32)
-    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
-    emb = encoder.encode([texts[i] for i in order])
-    out = np.empty_like(emb)
-    out[order] = emb
-    return out
-
-
 @dataclass
 class _PoolStats:
     bm25: BM25
@@ -61,7 +50,7 @@ class PoolIndex:
     def stats(self, pool_id: str) -> _PoolStats:
         if pool_id not in self._stats:
             texts = [m.text for m in self.pools[pool_id].memories]
-            emb = encode_sorted(self.encoder, texts) if self.encoder is not None else None
+            emb = self.encoder.encode(texts) if self.encoder is not None else None
             self._stats[pool_id] = _PoolStats(BM25(texts), emb)
         return self._stats[pool_id]
 
@@ -70,7 +59,7 @@ class PoolIndex:
         return self.stats(pool_id).bm25.idf
 
     def embed(self, texts: Sequence[str]) -> np.ndarray | None:
-        return encode_sorted(self.encoder, texts) if self.encoder is not None else None
+        return self.encoder.encode(texts) if self.encoder is not None else None
 
     def freeze(
         self,

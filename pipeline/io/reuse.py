@@ -76,37 +76,40 @@ def previous_run_id(out: Path) -> str | None:
         return None
 
 
-def import_reused(folders: list[Path], out: Path, cases: list[tuple[str, str, str]], agent_fp: str, mode: str) -> int:
-    """Copy into `out/utilities` the rows of earlier runs (`--reuse`) whose key this run needs and does not hold yet,
-    so the new folder is complete on its own. `cases`: the run's (pool_id, query_id, context_hash). Read and written
-    one pool at a time (a filter pushed into the scan), so a whole earlier night is never in memory at once.
-    Returns the number of rows copied."""
-    files = [f for folder in folders for f in sorted((folder / "utilities").glob("*.parquet"))]
-    if not files or not cases:
-        return 0
-    import polars as pl
+class ReuseImport:
+    """Copies into `out/utilities` the rows of earlier runs (`--reuse`) whose key this run needs and does not hold yet,
+    so the new folder is complete on its own; one pool at a time (`pool`), as the driver reaches it, with the pool
+    filter pushed into the scan, so a whole earlier night is never in memory at once. The file lists are taken at
+    construction, before this run writes: rows this run evaluates are never re-read. `copied`: rows copied so far."""
 
-    own = sorted((out / "utilities").glob("*.parquet"))
-    by_pool: dict[str, list[tuple[str, str, str]]] = {}
-    for c in cases:
-        by_pool.setdefault(c[0], []).append(c)
-    copied = 0
-    for pool_id, keys in by_pool.items():
+    def __init__(self, folders: list[Path], out: Path, agent_fp: str, mode: str):
+        self.files = [f for folder in folders for f in sorted((folder / "utilities").glob("*.parquet"))]
+        self.own = sorted((out / "utilities").glob("*.parquet"))
+        self.out, self.agent_fp, self.mode = out, agent_fp, mode
+        self.copied = 0
+
+    def pool(self, pool_id: str, keys: list[CaseKey]) -> int:
+        """Import the rows of pool `pool_id` for `keys` (its cases' (pool_id, query_id, context_hash)); rows copied."""
+        if not self.files or not keys:
+            return 0
+        import polars as pl
+
         wanted = pl.DataFrame({"pool_id": [c[0] for c in keys], "query_id": [c[1] for c in keys],
                                "context_hash": [c[2] for c in keys]})
         df = (
-            pl.scan_parquet(files)
-            .filter((pl.col("pool_id") == pool_id) & (pl.col("agent") == agent_fp) & (pl.col("utility_mode") == mode)
-                    & pl.col("utility").is_finite())
+            pl.scan_parquet(self.files)
+            .filter((pl.col("pool_id") == pool_id) & (pl.col("agent") == self.agent_fp)
+                    & (pl.col("utility_mode") == self.mode) & pl.col("utility").is_finite())
             .join(wanted.lazy(), on=["pool_id", "query_id", "context_hash"], how="semi")
             .unique(subset=list(UTILITY_KEY), keep="first", maintain_order=True)
             .collect()
         )
-        if own and df.height:
-            have = pl.scan_parquet(own).filter(pl.col("pool_id") == pool_id).select(list(UTILITY_KEY)).collect()
+        if self.own and df.height:
+            have = pl.scan_parquet(self.own).filter(pl.col("pool_id") == pool_id).select(list(UTILITY_KEY)).collect()
             df = df.join(have, on=list(UTILITY_KEY), how="anti")
         if df.height:
-            (out / "utilities").mkdir(parents=True, exist_ok=True)
-            writer.write_part(df.to_arrow().cast(UTILITIES), out / "utilities")
-            copied += df.height
-    return copied
+            (self.out / "utilities").mkdir(parents=True, exist_ok=True)
+            writer.write_part(df.to_arrow().cast(UTILITIES), self.out / "utilities")
+        self.copied += df.height
+        return df.height
+
