@@ -25,13 +25,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--locomo", required=True)
     ap.add_argument("--queries", type=int, default=36, help="queries, taken evenly over the conversations")
+    ap.add_argument("--offset", type=int, default=0,
+                    help="start at this query (0 <= offset < stride): a disjoint subset of the same size for held-out checks")
     ap.add_argument("--top-k", type=int, default=10)
-    ap.add_argument("--cap", type=int, default=64, help="adaptive: maximum permutations L")
+    ap.add_argument("--cap", type=int, default=96, help="adaptive: maximum permutations L (even: antithetic pairs)")
     ap.add_argument("--out", default="bench_adaptive")
     args = ap.parse_args()
     pools, queries = load_locomo(args.locomo)
     step = max(1, len(queries) // args.queries)
-    queries = queries[::step][: args.queries]
+    if not 0 <= args.offset < step:
+        ap.error(f"--offset {args.offset}: allowed 0..{step - 1} (the stride between chosen queries)")
+    queries = queries[args.offset :: step][: args.queries]
     out = Path(args.out)
     rows = {}
     for est in ("exact", "adaptive"):
@@ -50,7 +54,7 @@ def main() -> None:
     stops = rows["adaptive"]["att"].group_by(["pool_id", "query_id"]).agg(pl.col("stop_reason").first(),
                                                                             pl.col("permutations").first())
     summary = {
-        "queries": len(queries), "k": args.top_k, "cap": args.cap,
+        "queries": len(queries), "offset": args.offset, "k": args.top_k, "cap": args.cap,
         "exact_evaluations_per_case": rows["exact"]["evals"],
         "adaptive_evaluations_per_case": rows["adaptive"]["evals"],
         "adaptive_mean_permutations": stops["permutations"].mean(),

@@ -79,9 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--top-k", type=int, default=d.top_k, help="retrieval budget K (players per case)")
     a.add_argument("--permutations", type=int, default=d.permutations, help="permutation budget L")
     a.add_argument("--estimator", choices=ESTIMATORS, default=d.estimator,
-                   help="Shapley estimator (auto: exact for small K); adaptive: permutations in rounds until every Shapley value is separated from -tau "
-                        "(|phi+tau| > z*SE), at most --permutations")
-    a.add_argument("--adaptive-round", type=int, default=d.adaptive_round, help="adaptive: permutations per round")
+                   help="Shapley estimator (auto: exact for small K); adaptive: antithetic permutation pairs in rounds until every Shapley value is "
+                        "separated from -tau (|phi+tau| > z*SE), at most --permutations (even)")
+    a.add_argument("--adaptive-round", type=int, default=d.adaptive_round, help="adaptive: permutations per round (even)")
     a.add_argument("--adaptive-z", type=float, default=d.adaptive_z, help="adaptive: z of the confidence bound")
     a.add_argument("--antithetic", action="store_true", default=d.antithetic, help="antithetic permutation pairs")
     a.add_argument("--tau", type=float, default=d.tau, help="harm tolerance: harmful when shapley < -tau")

@@ -17,6 +17,7 @@ from pipeline.game import (
     loo_effects,
     select_clearance,
     shapley_exact,
+    shapley_least_squares,
     shapley_permutation,
 )
 from pipeline.game.adaptive import DEFAULT_Z, estimate, stop_reason
@@ -130,6 +131,8 @@ def attribute(state: CaseState, tau: float) -> np.ndarray:
         state.phi, state.se = shapley_exact(state.values), np.zeros(plan.k)
     elif plan.estimator == "adaptive":
         state.phi, state.se, _ = estimate(state.values, plan.permutations[: state.used], plan.antithetic)
+        if state.stop == "cap":  # not separated: report the fit to every evaluated coalition (pipeline.game.adaptive)
+            state.phi = shapley_least_squares(state.values, plan.round_coalitions(state.used))
     else:
         state.phi, state.se = shapley_permutation(state.values, plan.permutations, plan.antithetic)
     state.ranking = harmful_ranking(state.phi, tau, loo_effects(state.values))

@@ -105,11 +105,13 @@ class AuditConfig(RunSettings):
               f"exact is allowed up to top_k={MAX_EXACT_K}, use estimator 'auto' or 'permutation' above")
         check(self.permutations >= 1, w, f"permutations={self.permutations!r}; must be >= 1")
         check(self.estimator in ESTIMATORS, w, f"estimator={self.estimator!r}; allowed {ESTIMATORS}")
-        check(not self.antithetic or self.permutations % 2 == 0, w, "antithetic sampling needs an even number of permutations")
+        pairs = self.antithetic or self.estimator == "adaptive"  # adaptive always draws antithetic pairs
+        check(not pairs or self.permutations % 2 == 0, w,
+              f"permutations={self.permutations!r}; antithetic sampling (always on with estimator 'adaptive') needs an even number")
         check(self.utility in UTILITY_MODES, w, f"utility={self.utility!r}; allowed {UTILITY_MODES}")
         check(isinstance(self.adaptive_round, int) and self.adaptive_round >= 2
-              and (not self.antithetic or self.adaptive_round % 2 == 0), w,
-              f"adaptive_round={self.adaptive_round!r}; must be an integer >= 2 (even with antithetic)")
+              and (self.estimator != "adaptive" or self.adaptive_round % 2 == 0), w,
+              f"adaptive_round={self.adaptive_round!r}; must be an even integer >= 2 (adaptive draws antithetic pairs)")
         check(isinstance(self.adaptive_z, (int, float)) and self.adaptive_z > 0, w, f"adaptive_z={self.adaptive_z!r}; must be > 0")
         check(self.cpus_per_actor > 0, w, f"cpus_per_actor={self.cpus_per_actor!r}; must be > 0")
         check(self.batch_size >= 1, w, f"batch_size={self.batch_size!r}; must be >= 1")

@@ -3,6 +3,8 @@ to the cap when a value sits on the threshold; through the driver, each case rep
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import polars as pl
 import pytest
@@ -12,8 +14,8 @@ from pipeline.cases import Case
 from pipeline.errors import ConfigError
 from pipeline.evaluate import AgentWorker
 from pipeline.pools import LocalPool
-from pipeline.game import make_plan, shapley_exact
-from pipeline.game.adaptive import separated, stop_reason
+from pipeline.game import make_plan, shapley_exact, shapley_least_squares
+from pipeline.game.adaptive import estimate, separated, stop_reason
 from pipeline.io.records import Query
 from pipeline.reduce import CaseState, attribute
 from pipeline.retrieval import FrozenContext
@@ -53,12 +55,14 @@ def test_stops_after_one_round_when_every_value_is_clear_of_the_threshold():
 
 
 def test_stops_by_separation_on_an_interaction_game_with_noisy_draws():
-    # v = -1 if players 0 and 1 are both in: each draws 0 or -1 (phi = -0.5, SE > 0), player 2 is null
-    values = table(3, lambda m: -1.0 if (m & 3) == 3 else 0.0)
+    # v = -1 if players 0, 1 and 2 are all in (phi = -1/3 each), player 3 is null. A permutation and its reverse give a
+    # player of the triple -1 once when it comes after the other two in one of them, else 0: pair means 0 or -0.5, so
+    # SE > 0 (a pairwise game would give every pair the same mean, -0.5).
+    values = table(4, lambda m: -1.0 if (m & 7) == 7 else 0.0)
     st, _ = run_case(values, tau=0.05)
     assert st.stop == "separation" and st.used < 64
-    assert (st.se[:2] > 0).all() and separated(st.phi, st.se, 0.05).all()
-    assert list(st.ranking) in ([0, 1], [1, 0])
+    assert (st.se[:3] > 0).all() and st.se[3] == 0 and separated(st.phi, st.se, 0.05).all()
+    assert sorted(st.ranking.tolist()) == [0, 1, 2]
 
 
 def test_runs_to_the_cap_when_a_value_sits_on_the_threshold():
@@ -66,7 +70,9 @@ def test_runs_to_the_cap_when_a_value_sits_on_the_threshold():
     values = additive([-0.25, 0.5, 0.125, -1.0, 0.0])
     st, asked = run_case(values, permutations=40, round_size=8, tau=0.25)
     assert st.stop == "cap" and st.used == 40
-    assert not separated(st.phi, st.se, 0.25)[0] and separated(st.phi, st.se, 0.25)[1:].all()
+    mean, se, _ = estimate(st.values, st.plan.permutations[:40], antithetic=True)  # what the rule looked at
+    assert not separated(mean, se, 0.25)[0] and separated(mean, se, 0.25)[1:].all()
+    np.testing.assert_allclose(st.phi, [-0.25, 0.5, 0.125, -1.0, 0.0], atol=1e-12)
 
 
 def test_stop_rule_minimum_and_cap():
@@ -78,6 +84,73 @@ def test_stop_rule_minimum_and_cap():
         make_plan(5, 16, "adaptive", round_size=1)
     with pytest.raises(ConfigError):
         AuditConfig(estimator="adaptive", adaptive_round=1)
+    with pytest.raises(ConfigError, match="even"):  # antithetic pairs: an odd cap or round cannot be paired
+        make_plan(5, 15, "adaptive")
+    with pytest.raises(ConfigError, match="even"):
+        AuditConfig(estimator="adaptive", adaptive_round=3)
+    with pytest.raises(ConfigError, match="even"):
+        AuditConfig(estimator="adaptive", permutations=15)
+    assert make_plan(5, 16, "adaptive").antithetic  # pairs whatever the flag says
+
+
+def test_adaptive_draws_each_permutation_then_its_reverse():
+    perms = make_plan(6, 16, "adaptive", seed=3).permutations
+    np.testing.assert_array_equal(perms[1::2], perms[0::2, ::-1])
+
+
+def test_antithetic_pair_estimate_is_unbiased():
+    # over every permutation (each with its reverse), the mean of the pair draws is exact Shapley: a random game, K=4
+    values = np.random.default_rng(7).normal(size=16)
+    perms = np.array(list(itertools.permutations(range(4))))
+    paired = np.empty((2 * len(perms), 4), dtype=np.int64)
+    paired[0::2], paired[1::2] = perms, perms[:, ::-1]
+    phi, _, draws = estimate(values, paired, antithetic=True)
+    assert draws == len(perms)
+    np.testing.assert_allclose(phi, shapley_exact(values), atol=1e-12)
+
+
+def test_least_squares_is_exact_on_a_complete_table_and_on_additive_games():
+    values = np.random.default_rng(1).normal(size=1 << 6)
+    np.testing.assert_allclose(shapley_least_squares(values, np.arange(1 << 6)), shapley_exact(values), atol=1e-12)
+    weights = [-0.3, 0.2, 0.0, 0.7, -0.1, 0.05, 0.4, -0.6]
+    plan = make_plan(8, 8, "adaptive", seed=2)
+    np.testing.assert_allclose(shapley_least_squares(additive(weights), plan.round_coalitions(4)), weights,
+                               atol=1e-12)  # two pairs of permutations fit an additive game exactly
+
+
+def test_least_squares_converges_to_exact_shapley_as_coalitions_are_added():
+    # a random game with interactions of every order, K=7 (128 coalitions): the fit's error shrinks as pairs are
+    # added and vanishes once every coalition is in; efficiency holds exactly at every budget
+    rng = np.random.default_rng(5)
+    values = rng.normal(size=1 << 7)
+    exact = shapley_exact(values)
+    err = {}
+    for budget in (4, 16, 128):
+        e = []
+        for seed in range(20):
+            plan = make_plan(7, budget, "adaptive", seed=seed)
+            phi = shapley_least_squares(values, plan.round_coalitions(budget))
+            assert phi.sum() == pytest.approx(values[-1] - values[0])
+            e.append(np.abs(phi - exact).mean())
+        err[budget] = np.mean(e)
+    assert err[4] > err[16] > err[128]
+    np.testing.assert_allclose(shapley_least_squares(values, np.arange(1 << 7)), exact, atol=1e-12)
+
+
+def test_a_case_stopped_by_the_cap_reports_the_least_squares_fit():
+    # player 0 sits on the threshold through a three-way interaction (0, 1 and 2 together add -0.75, a third each),
+    # so its pair draws vary and the case runs to the cap; its attributions are then the fit to every coalition the
+    # case evaluated, not the permutation mean
+    w = [0.0, 0.5, 0.125, -1.0, 0.0]
+    values = table(5, lambda m: sum(x for i, x in enumerate(w) if m >> i & 1) - (0.75 if (m & 7) == 7 else 0.0))
+    assert shapley_exact(values)[0] == pytest.approx(-0.25)
+    st, _ = run_case(values, permutations=16, round_size=8, tau=0.25)
+    assert st.stop == "cap" and st.used == 16
+    fit = shapley_least_squares(st.values, st.plan.round_coalitions(16))
+    mean, se, _ = estimate(st.values, st.plan.permutations[:16], antithetic=True)
+    np.testing.assert_allclose(st.phi, fit)
+    np.testing.assert_allclose(st.se, se)  # the SE reported stays the permutation mean's
+    assert not np.allclose(fit, mean)
 
 
 def test_adaptive_audit_reports_permutations_and_stop_reason(tmp_path):

@@ -6,6 +6,7 @@ from pipeline.game.attribution import (
     interactions_from_evaluated,
     loo_effects,
     shapley_exact,
+    shapley_least_squares,
     shapley_permutation,
 )
 from pipeline.game.clearance import Clearance, clearance_coalitions, harmful_ranking, select_clearance
@@ -26,6 +27,7 @@ __all__ = [
     "make_plan",
     "select_clearance",
     "shapley_exact",
+    "shapley_least_squares",
     "shapley_permutation",
     "stop_reason",
 ]

@@ -10,6 +10,14 @@ player). It stops by "separation" when that holds for all players after at least
 with fewer draws the sample SD is itself too noisy, and an all-equal sample gives SD 0), and by "cap" when all L
 permutations are used. A player whose every draw is the same value (a memory the agent ignores: SD 0, phi_hat 0) is
 separated as soon as the minimum is reached, which is what makes the rule cheap for the many memories that do nothing.
+
+Draws are antithetic pairs (pipeline.game.plan). When a case stops by "cap" some value sits too close to -tau for the
+permutation mean to decide, and the reported Shapley values are instead the least-squares fit to every coalition the
+case evaluated (`shapley_least_squares`: each evaluated coalition informs every player, where a permutation uses each
+only for the two players next to it). Measured on 96 LoCoMo queries at K=10, 6 seeds: at cap 96 agreement with exact
+rose from 94.3% (permutation mean at the cap) to 95.7%, for the same evaluations; used after a separation stop instead
+it lowered agreement (89.8%), so separated cases keep the mean the rule certified. `shapley_se` stays the permutation
+SE (at the cap the fit's own RMSE was about 25% lower on the near-threshold cases).
 """
 
 from __future__ import annotations

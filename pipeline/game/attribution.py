@@ -88,6 +88,34 @@ def shapley_permutation(
     return phi, se
 
 
+def shapley_least_squares(values: np.ndarray, masks: np.ndarray) -> np.ndarray:
+    """Shapley values fitted to every evaluated coalition in `masks` (KernelSHAP: Lundberg & Lee 2017; Covert & Lee
+    2021), not only a permutation's marginal pairs.
+
+    Minimises sum_S w(S) (v(S) - v(empty) - sum_{i in S} phi_i)^2 subject to sum_i phi_i = v(N) - v(empty), which holds
+    exactly (both coalitions are always evaluated). The Shapley kernel's mass of each coalition size s, (K-1)/(s(K-s)),
+    is spread evenly over the evaluated coalitions of that size: a size whose coalitions are all evaluated weighs them
+    exactly as the kernel does, so with every coalition evaluated this is exact Shapley (and it is exact for any
+    additive game whatever was sampled, as long as the fit is determined). Consistent, not unbiased.
+    """
+    k = n_players(values)
+    full = full_mask(k)
+    m = np.unique(np.asarray(masks, dtype=np.int64))
+    m = m[(m != 0) & (m != full)]
+    base, total = _need(values, np.array([0, full]), "least-squares Shapley")
+    if k < 2 or not m.size:  # nothing between the empty and the full coalition: split the total evenly
+        return np.full(k, (total - base) / max(k, 1))
+    size = popcount(m)
+    w = (k - 1) / (size * (k - size)) / np.bincount(size, minlength=k + 1)[size]
+    x = (m[:, None] >> np.arange(k) & 1).astype(float)
+    y = _need(values, m, "least-squares Shapley") - base
+    kkt = np.zeros((k + 1, k + 1))  # normal equations with the efficiency constraint as a Lagrange multiplier
+    kkt[:k, :k] = x.T @ (w[:, None] * x)
+    kkt[:k, k] = kkt[k, :k] = 1.0
+    rhs = np.append(x.T @ (w * y), total - base)
+    return np.linalg.lstsq(kkt, rhs, rcond=None)[0][:k]  # lstsq: a min-norm answer if few sizes were sampled
+
+
 def _interaction_weights(k: int) -> np.ndarray:
     """w[s] = s! (K-s-2)! / (K-1)!: Shapley interaction weight of a set of size s outside the pair (sums to 1)."""
     return np.array([factorial(s) * factorial(k - s - 2) / factorial(k - 1) for s in range(k - 1)])
