@@ -14,7 +14,7 @@ from pipeline.agents.utility import UTILITY_MODES
 from pipeline.errors import EXIT_CASE_ERRORS, EXIT_INTERRUPTED, MeClearError
 from pipeline.game.plan import ESTIMATORS
 from pipeline.retrieval import DENSE_MODES
-from pipeline.settings import EXECUTORS
+from pipeline.settings import EXECUTORS, field_default
 from pipeline.text import safe
 from pipeline.validation import key_values
 
@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--reuse", action="append", default=[], metavar="PREVIOUS_OUT",
                    help="earlier run folder whose utilities are reused where their key is unchanged (repeatable)")
     a.add_argument("--top-k", type=int, default=d.top_k, help="retrieval budget K (players per case)")
-    a.add_argument("--permutations", type=int, default=d.permutations, help="permutation budget L")
+    a.add_argument("--permutations", type=int, default=field_default(AuditConfig, "permutations"), help="permutation budget L (0: 16; with --estimator adaptive, the cap 96)")
     a.add_argument("--estimator", choices=ESTIMATORS, default=d.estimator,
                    help="Shapley estimator (auto: exact for small K); adaptive: antithetic permutation pairs in rounds until every Shapley value is "
                         "separated from -tau (|phi+tau| > z*SE), at most --permutations (even)")

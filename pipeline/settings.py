@@ -16,7 +16,7 @@ from typing import Any
 from pipeline.agents import AGENTS, AgentSpec
 from pipeline.agents.utility import UTILITY_MODES
 from pipeline.game.adaptive import DEFAULT_Z
-from pipeline.game.plan import ADAPTIVE_ROUND, DEFAULT_PERMUTATIONS, ESTIMATORS
+from pipeline.game.plan import ADAPTIVE_CAP, ADAPTIVE_ROUND, DEFAULT_PERMUTATIONS, ESTIMATORS
 from pipeline.retrieval import DEFAULT_TOP_K, check_dense, check_top_k
 from pipeline.validation import check
 
@@ -82,7 +82,9 @@ class RunSettings:
 class AuditConfig(RunSettings):
     """Every setting of an audit. Validated at construction; `run_id` is its fingerprint with the inputs' hashes."""
 
-    permutations: int = DEFAULT_PERMUTATIONS
+    # 0: the estimator's default, DEFAULT_PERMUTATIONS (16), or ADAPTIVE_CAP (96) for 'adaptive', whose L is a cap that
+    # only undecided cases reach; resolved here, so the run's fingerprint and manifest hold the number used.
+    permutations: int = 0
     estimator: str = "auto"
     antithetic: bool = False
     utility: str = "probability"
@@ -99,11 +101,14 @@ class AuditConfig(RunSettings):
         for name in ("top_k", "permutations", "batch_size", "embed_actors"):  # YAML `true` is no count
             check_integer(getattr(self, name), w, name)
         self.check_run_settings(w)
+        if self.permutations == 0:
+            object.__setattr__(self, "permutations",
+                               ADAPTIVE_CAP if self.estimator == "adaptive" else DEFAULT_PERMUTATIONS)
         check_number(self.cpus_per_actor, w, "cpus_per_actor")
         check(self.estimator != "exact" or self.top_k <= MAX_EXACT_K, w,
               f"estimator='exact' with top_k={self.top_k} needs 2^{self.top_k} = {1 << self.top_k:,} agent calls per query; "
               f"exact is allowed up to top_k={MAX_EXACT_K}, use estimator 'auto' or 'permutation' above")
-        check(self.permutations >= 1, w, f"permutations={self.permutations!r}; must be >= 1")
+        check(self.permutations >= 1, w, f"permutations={self.permutations!r}; must be >= 1 (0: the estimator's default)")
         check(self.estimator in ESTIMATORS, w, f"estimator={self.estimator!r}; allowed {ESTIMATORS}")
         pairs = self.antithetic or self.estimator == "adaptive"  # adaptive always draws antithetic pairs
         check(not pairs or self.permutations % 2 == 0, w,

@@ -27,7 +27,19 @@ def test_audit_flags_default_to_the_config_defaults():
     fields = {f.name for f in dataclasses.fields(AuditConfig)}
     shared = {k: v for k, v in vars(args).items() if k in fields}
     assert len(shared) >= 15  # every setting with a flag
-    assert shared == {k: getattr(AuditConfig(), k) for k in shared}
+    assert shared == {k: _declared(k) for k in shared}  # the declared defaults (0 permutations: resolved later)
+
+
+def _declared(name: str):
+    return next(f.default for f in dataclasses.fields(AuditConfig) if f.name == name)
+
+
+def test_permutations_0_is_the_estimators_default_and_the_config_holds_the_number_used():
+    assert AuditConfig().permutations == 16
+    assert AuditConfig(estimator="adaptive").permutations == 96  # the cap measured at K=10
+    assert AuditConfig(estimator="adaptive", permutations=32).permutations == 32
+    args = _parser("audit").parse_args(["--estimator", "adaptive", "--top-k", "10"])
+    assert AuditConfig(estimator=args.estimator, permutations=args.permutations, top_k=10).permutations == 96
 
 
 def test_eval_flags_default_to_the_config_defaults():
