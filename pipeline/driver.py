@@ -3,8 +3,8 @@
 `run_audit` plans cases lazily, a bounded window of them in flight (`case_window`), and routes whole cases to a pool
 of agents (`pipeline.pools`: in process or Ray actors) through the `Scheduler`. Each worker runs its cases to the end
 (`pipeline.evaluate.run_cases`: first passes batched, then the later passes, then the reduction) and returns their
-rows as Arrow tables; the driver streams them (utilities, attributions, interactions, clearances, and the contexts it
-wrote on admission) to part files named by the run attempt: driver memory is the window, not the pool.
+rows as Arrow tables; the driver streams them (contexts, utilities, attributions, interactions, clearances) to part
+files named by the run attempt: driver memory is the window, not the pool.
 When the run finishes, every other run's (and crashed attempt's) reduction parts are dropped, so each reduction
 folder holds exactly this run's rows; after a crash it holds every case that finished. Rows are keyed by (pool, query, context hash, coalition, agent, utility mode), so
 a rerun into the same folder (or one given `reuse=PREVIOUS_OUT`, `pipeline.io.reuse`) skips every coalition already
@@ -108,25 +108,6 @@ class Scheduler:
         return done
 
 
-def context_rows(run_id: str, cases: list[Case]) -> list[dict]:
-    return [
-        {
-            "run_id": run_id,
-            "pool_id": c.query.pool_id,
-            "query_id": c.query.query_id,
-            "context_hash": c.context.context_hash,
-            "position": i,
-            "memory_id": mid,
-            "text": c.context.texts[i],
-            "retrieval_score": c.context.scores[i],
-            "bm25_rank": c.context.bm25_ranks[i],
-            "dense_rank": c.context.dense_ranks[i],
-        }
-        for c in cases
-        for i, mid in enumerate(c.context.memory_ids)
-    ]
-
-
 # Cases in flight per task slot (workers x tasks each). A slot's task holds up to `batch_size` coalitions, i.e. whole
 # cases; four cases a slot's worth keeps every worker fed while the driver writes finished cases and plans new ones.
 WINDOW_BATCHES = 4
@@ -151,10 +132,10 @@ class ReductionWriters:
                                            prefix=self.prefix) for n in self.NAMES}
 
     def task_done(self, done: CasesDone) -> None:
-        for name in ("attributions", "interactions"):
-            if (table := getattr(done, name)) is not None:
+        for name, table in (("contexts", done.contexts), ("attributions", done.attributions),
+                            ("interactions", done.interactions), ("clearances", done.clearances_table)):
+            if table is not None:
                 self.parts[name].add_table(table)
-        self.parts["clearances"].add_rows([c.as_row() for c in done.clearances])
         if done.errors:
             self.parts["errors"].add_rows(done.errors)
 
@@ -224,7 +205,6 @@ class _Evaluation:
             self.sched.enqueue(CaseTask(ci, case, plan, prev))
             self.inflight.add(ci)
             self.peak_states = max(self.peak_states, len(self.inflight))
-            self.reductions.parts["contexts"].add_rows(context_rows(self.run_id, [case]))
         return True
 
     def _receive(self, done: CasesDone) -> None:

@@ -1,5 +1,6 @@
 """Worker pools (pipeline.pools): `map` keeps every worker at its in-flight limit and honours pins; both utilities come
-back from one evaluation; the throughput benchmark's recording pool sees exactly the batches the driver evaluates."""
+back from one evaluation; the throughput benchmark's recording pool sees exactly the agent calls the workers make;
+the scheduler sends whole cases; a worker runs a batch of cases to their rows."""
 
 from __future__ import annotations
 
@@ -156,12 +157,15 @@ def test_run_cases_batches_each_pass_keeps_failures_to_their_case_and_reduces_re
     assert clean.finished == list(range(8)) and not clean.failed and len(clean.clearances) == 8
     assert clean.utilities.num_rows == sum(clean_agent.sizes) == sum(c.evaluations for c in clean.clearances)
     assert clean.attributions.num_rows == 8 * 5 and clean.interactions.num_rows == 8 * 10
+    assert clean.contexts.num_rows == 8 * 5 and clean.clearances_table.to_pylist() == [c.as_row() for c in
+                                                                                     clean.clearances]
 
     target = clean.calls[1][0][0]  # a case with a clearance pass
     failing = run_cases(CallsAgent(cases[target].key), tasks, settings)
     assert failing.failed == [target] and target not in failing.finished and len(failing.clearances) == 7
     assert [(e["kind"], e["stage"], e["reason"]) for e in failing.errors] == [("agent_error", "clearance",
                                                                                "ValueError: cannot answer")]
+    assert failing.contexts.num_rows == 8 * 5 and failing.clearances_table.num_rows == 7  # its context is written
     kept = failing.utilities.filter(pa.compute.equal(failing.utilities["query_id"], cases[target].query.query_id))
     assert kept.num_rows == tasks[target].plan.n_coalitions  # its first pass is kept, the run went on
     assert [c.as_row() for c in failing.clearances] == [c.as_row() for c in clean.clearances if c.query_id !=
