@@ -63,7 +63,7 @@ class AuditResult:
     failed: int = 0  # cases that went to errors/ (the exit code is then non-zero)
     errors: list[dict] = field(repr=False, default_factory=list)  # the first few error rows; all are in errors/
     summary: ClearanceSummary | None = field(repr=False, default=None)
-    peak_cases_in_flight: int = 0  # most case states the driver held at once (bounded by its window)
+    peak_cases_in_flight: int = 0  # most cases in flight at once (bounded by the window)
     window: int = 0
 
     def __post_init__(self) -> None:
