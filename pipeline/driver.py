@@ -1,10 +1,10 @@
 """The audit's driver: frozen contexts -> coalition evaluations (streamed) -> attributions, interactions, clearances.
 
-`run_audit` plans cases lazily, a bounded window of them in flight (`case_window`), sends their coalitions to a pool
-of agents (`pipeline.pools`: in process or Ray actors) through the `Scheduler`, streams utilities to Parquet as they
-arrive, moves each case forward as its values come in (`pipeline.reduce.advance`: a second pass that the clearance
-still needs goes to the same worker), and streams each finished case's contexts, attributions, interactions and
-clearance to part files named by the run attempt, then drops its state: driver memory is the window, not the pool.
+`run_audit` plans cases lazily, a bounded window of them in flight (`case_window`), and routes whole cases to a pool
+of agents (`pipeline.pools`: in process or Ray actors) through the `Scheduler`. Each worker runs its cases to the end
+(`pipeline.evaluate.run_cases`: first passes batched, then the later passes, then the reduction) and returns their
+rows as Arrow tables; the driver streams them (contexts, utilities, attributions, interactions, clearances) to part
+files named by the run attempt: driver memory is the window, not the pool.
 When the run finishes, every other run's (and crashed attempt's) reduction parts are dropped, so each reduction
 folder holds exactly this run's rows; after a crash it holds every case that finished. Rows are keyed by (pool, query, context hash, coalition, agent, utility mode), so
 a rerun into the same folder (or one given `reuse=PREVIOUS_OUT`, `pipeline.io.reuse`) skips every coalition already
@@ -22,20 +22,17 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from pipeline.cases import Case, case_seed
-from pipeline.evaluate import ItemResult, WorkItem
+from pipeline.evaluate import CasesDone, CaseSettings, CaseTask
 from pipeline.game import make_plan
-from pipeline.game.plan import popcount
 from pipeline.io import writer
 from pipeline.io.outdir import DATASET_NAMES, OutLock, check_out
 from pipeline.io.records import Pool, Query
 from pipeline.io.reuse import PoolReuse, ReuseImport, previous_run_id
 from pipeline.pools import WorkerPool
 from pipeline.provenance import sha256_file, versions
-from pipeline.reduce import CaseRows, CaseState, ClearanceRow, ClearanceSummary, advance, finalize
 from pipeline.prefetch import Prefetch
+from pipeline.reduce import ClearanceRow, ClearanceSummary
 from pipeline.retrieval import FrozenContext, Retriever
 from pipeline.schemas import DATASETS, UTILITIES, UTILITY_KEY
 from pipeline.settings import AuditConfig
@@ -67,7 +64,7 @@ class AuditResult:
     failed: int = 0  # cases that went to errors/ (the exit code is then non-zero)
     errors: list[dict] = field(repr=False, default_factory=list)  # the first few error rows; all are in errors/
     summary: ClearanceSummary | None = field(repr=False, default=None)
-    peak_cases_in_flight: int = 0  # most case states the driver held at once (bounded by its window)
+    peak_cases_in_flight: int = 0  # most cases in flight at once (bounded by the window)
     window: int = 0
 
     def __post_init__(self) -> None:
@@ -76,119 +73,44 @@ class AuditResult:
 
 
 class Scheduler:
-    """Feeds workers whole cases, at most `max_inflight` tasks each and up to `batch_size` coalitions a task (a case
-    is never split). An item enqueued with `pin` goes to the worker that ran its case before: that worker's prefix
-    cache holds the case's prompt prefix."""
+    """Feeds workers whole cases: at most `max_inflight` tasks each, a task holding cases whose first passes add up to
+    `batch_size` coalitions at most (a case is never split; one larger than `batch_size` goes alone). A case's later
+    passes run in the same task, so they reach the worker whose prefix cache holds its prompt prefix."""
 
-    def __init__(self, agents: WorkerPool, batch_size: int):
-        self.agents, self.batch_size = agents, batch_size
-        self._shared: deque[WorkItem] = deque()
-        self._pinned: list[deque[WorkItem]] = [deque() for _ in range(agents.n_workers)]
+    def __init__(self, agents: WorkerPool, batch_size: int, settings: CaseSettings):
+        self.agents, self.batch_size, self.settings = agents, batch_size, settings
+        self._queue: deque[tuple[CaseTask, int]] = deque()
         self._inflight = [0] * agents.n_workers
-        self._worker_of: dict[int, int] = {}
 
-    def enqueue(self, item: WorkItem, pin: bool = False) -> None:
-        w = self._worker_of.get(item.case_index) if pin else None
-        (self._pinned[w] if w is not None else self._shared).append(item)
+    def enqueue(self, task: CaseTask) -> None:
+        self._queue.append((task, task.first_pass))
 
     def fill(self) -> None:
-        """Submit queued items until every worker has `max_inflight` tasks or the queues are empty."""
+        """Submit queued cases until every worker has `max_inflight` tasks or the queue is empty."""
+        q = self._queue
         for w in range(self.agents.n_workers):
-            while self._inflight[w] < self.agents.max_inflight and (self._pinned[w] or self._shared):
+            while self._inflight[w] < self.agents.max_inflight and q:
                 batch, n = [], 0
-                for q in (self._pinned[w], self._shared):
-                    while q and (n == 0 or n + len(q[0].masks) <= self.batch_size):
-                        it = q.popleft()
-                        self._worker_of.setdefault(it.case_index, w)
-                        batch.append(it)
-                        n += len(it.masks)
-                self.agents.submit(w, "evaluate", batch)
+                while q and (not batch or n + q[0][1] <= self.batch_size):
+                    task, size = q.popleft()
+                    batch.append(task)
+                    n += size
+                self.agents.submit(w, "run_cases", batch, self.settings)
                 self._inflight[w] += 1
-
-    def forget(self, case_index: int) -> None:
-        """A case is finished: its worker pin is no longer needed (the map would otherwise grow with the pool)."""
-        self._worker_of.pop(case_index, None)
 
     @property
     def busy(self) -> bool:
         return any(self._inflight)
 
-    def wait(self) -> list[ItemResult]:
-        """The results of the next task to finish."""
-        w, results = self.agents.next_done()
+    def wait(self) -> CasesDone:
+        """The result of the next task to finish."""
+        w, done = self.agents.next_done()
         self._inflight[w] -= 1
-        return results
-
-
-def _usable(utility: np.ndarray) -> np.ndarray:
-    return np.isfinite(utility) & (utility >= 0) & (utility <= 1)
-
-
-def _utility_columns(run_id: str, case: Case, res: ItemResult, utility: np.ndarray, agent_fp: str, mode: str,
-                     keep: np.ndarray) -> dict[str, list]:
-    n = int(keep.sum())
-    q, c = case.query, case.context
-
-    def pick(values: list) -> list:
-        return [v for v, k in zip(values, keep) if k]
-
-    return {
-        "run_id": [run_id] * n,
-        "pool_id": [q.pool_id] * n,
-        "query_id": [q.query_id] * n,
-        "context_hash": [c.context_hash] * n,
-        "coalition": res.masks[keep].tolist(),
-        "size": popcount(res.masks[keep]).tolist(),
-        "utility": utility[keep].tolist(),
-        "correct": res.correct[keep].tolist(),
-        "utility_mode": [mode] * n,
-        "agent": [agent_fp] * n,
-        "answer": pick(res.answer),
-        "gold_prob": pick(res.gold_prob),
-        "stage": [res.stage] * n,
-        "prompt_tokens": pick(res.prompt_tokens),
-        "cached_tokens": pick(res.cached_tokens),
-        "latency_s": pick(res.latency_s),
-    }
-
-
-def _error_rows(run_id: str, case: Case, res: ItemResult, utility: np.ndarray) -> list[dict]:
-    """Why a result cannot be used: the agent failed on the item, or utilities outside [0, 1] (NaN included)."""
-    q, c = case.query, case.context
-    base = {"run_id": run_id, "pool_id": q.pool_id, "query_id": q.query_id, "context_hash": c.context_hash,
-            "stage": res.stage}
-    if res.error is not None:
-        return [base | {"coalition": None, "kind": "agent_error", "reason": res.error}]
-    rows = []
-    for m, u in zip(res.masks.tolist(), utility.tolist()):
-        if not np.isfinite(u):
-            rows.append(base | {"coalition": m, "kind": "non_finite_utility", "reason": f"utility {u} (agent answer unusable)"})
-        elif not 0.0 <= u <= 1.0:
-            rows.append(base | {"coalition": m, "kind": "utility_out_of_range", "reason": f"utility {u}; allowed 0..1"})
-    return rows
-
-
-def context_rows(run_id: str, cases: list[Case]) -> list[dict]:
-    return [
-        {
-            "run_id": run_id,
-            "pool_id": c.query.pool_id,
-            "query_id": c.query.query_id,
-            "context_hash": c.context.context_hash,
-            "position": i,
-            "memory_id": mid,
-            "text": c.context.texts[i],
-            "retrieval_score": c.context.scores[i],
-            "bm25_rank": c.context.bm25_ranks[i],
-            "dense_rank": c.context.dense_ranks[i],
-        }
-        for c in cases
-        for i, mid in enumerate(c.context.memory_ids)
-    ]
+        return done
 
 
 # Cases in flight per task slot (workers x tasks each). A slot's task holds up to `batch_size` coalitions, i.e. whole
-# cases; four cases a slot's worth keeps every worker fed while finished cases are reduced and new ones planned.
+# cases; four cases a slot's worth keeps every worker fed while the driver writes finished cases and plans new ones.
 WINDOW_BATCHES = 4
 
 
@@ -210,10 +132,13 @@ class ReductionWriters:
         self.parts = {n: writer.PartWriter(out / n, DATASETS[n], flush_rows=flush_rows,
                                            prefix=self.prefix) for n in self.NAMES}
 
-    def case_done(self, rows: CaseRows) -> None:
-        self.parts["attributions"].add_rows(rows.attributions)
-        self.parts["interactions"].add_rows(rows.interactions)
-        self.parts["clearances"].add_rows([rows.clearance.as_row()])
+    def task_done(self, done: CasesDone) -> None:
+        for name, table in (("contexts", done.contexts), ("attributions", done.attributions),
+                            ("interactions", done.interactions), ("clearances", done.clearances_table)):
+            if table is not None:
+                self.parts[name].add_table(table)
+        if done.errors:
+            self.parts["errors"].add_rows(done.errors)
 
     def close(self) -> None:
         """Flush every writer, then drop the parts of other runs: the folders now hold exactly this run's rows."""
@@ -224,9 +149,9 @@ class ReductionWriters:
 
 
 class _Evaluation:
-    """The evaluation phase: cases admitted lazily into a bounded window, their coalitions through the agents, values
-    streamed to `utilities/` as they arrive, each case moved forward (`reduce.advance`) until it is finalized (its rows
-    streamed out, its state dropped) or has failed for a data reason. Driver memory is the window, not the pool."""
+    """The evaluation phase: cases admitted lazily into a bounded window and routed whole to the workers, which run
+    each to the end and return its rows; the driver writes them (`utilities/` and the reductions) and counts. Driver
+    memory is the window, not the pool."""
 
     def __init__(self, feed: Prefetch, total: int, config: AuditConfig, run_id: str, agents: WorkerPool,
                  agent_fp: str, utilities: writer.PartWriter, reductions: ReductionWriters, progress: bool,
@@ -235,10 +160,11 @@ class _Evaluation:
 
         self.feed, self.config, self.run_id, self.agent_fp, self.utilities = feed, config, run_id, agent_fp, utilities
         self.reductions, self.previous, self.imports = reductions, previous, imports
-        self.sched = Scheduler(agents, config.batch_size)
+        settings = CaseSettings(run_id, agent_fp, config.utility, config.tau, config.kappa, config.adaptive_z)
+        self.sched = Scheduler(agents, config.batch_size, settings)
         self.window = window or case_window(agents, config.batch_size, _plan_size(config))
-        self.states: dict[int, CaseState] = {}  # in flight only
-        self.peak_states = 0  # most case states alive at once (flatness: never above `window`)
+        self.inflight: set[int] = set()  # indices of the cases admitted and not yet returned by a worker
+        self.peak_states = 0  # most cases in flight at once (flatness: never above `window`)
         self.summary = ClearanceSummary()
         self.errors: list[dict] = []  # the first few error rows, for the CLI summary; all are in errors/
         self.admitted = self.finished = self.failed = self.harmful = self.cases_with_harm = self.failing = 0
@@ -261,14 +187,12 @@ class _Evaluation:
             if not self.sched.busy:
                 if self._exhausted and not self._pending:
                     break
-                if len(self.states) >= self.window:  # a driver bug: cases wait for values no task will bring
-                    raise RuntimeError(f"{len(self.states)} cases neither finished nor failed")
+                if len(self.inflight) >= self.window:  # a driver bug: cases were sent and never came back
+                    raise RuntimeError(f"{len(self.inflight)} cases neither finished nor failed")
                 continue
-            for res in self.sched.wait():
-                self._receive(res)
-                self._advance(res.case_index)
-        if self.states:  # a driver bug: a case waits for values no task will bring
-            raise RuntimeError(f"{len(self.states)} cases neither finished nor failed")
+            self._receive(self.sched.wait())
+        if self.inflight:  # a driver bug: a case was sent and never came back
+            raise RuntimeError(f"{len(self.inflight)} cases neither finished nor failed")
         self.utilities.close()
         self.reductions.close()
         self.bar.close()
@@ -295,7 +219,7 @@ class _Evaluation:
         """Plan cases until the window is full or retrieval has none ready; waits for retrieval only if `block`
         (and then only for the first case)."""
         c = self.config
-        while len(self.states) < self.window:
+        while len(self.inflight) < self.window:
             pair = self._next_pair(block)
             if pair is None:
                 return
@@ -303,60 +227,39 @@ class _Evaluation:
             query, context = pair
             case = Case(query, context, case_seed(c.seed, query.pool_id, query.query_id))
             ci, self.admitted = self.admitted, self.admitted + 1
-            st = CaseState(case, make_plan(case.k, c.permutations, c.estimator, c.antithetic, case.seed,
-                                           c.adaptive_round))
+            plan = make_plan(case.k, c.permutations, c.estimator, c.antithetic, case.seed, c.adaptive_round)
             prev = self.previous.get((query.pool_id, query.query_id, context.context_hash))
             if prev is not None:
-                st.record(*prev)
-                st.reused = len(prev[0])
-                self.reused += st.reused
-            self.states[ci] = st
-            self.peak_states = max(self.peak_states, len(self.states))
-            self.reductions.parts["contexts"].add_rows(context_rows(self.run_id, [case]))
-            self._advance(ci)  # a case whose values were all reused finishes here and frees its slot
+                self.reused += len(prev[0])
+            # A case whose values were all reused goes to a worker too (it makes no agent call there): one path for
+            # every case, and the reductions of a resumed run spread over the workers as a fresh run's do, instead of
+            # coming back to the driver (`finalize` was the largest part of the driver's time, issue 9).
+            self.sched.enqueue(CaseTask(ci, case, plan, prev))
+            self.inflight.add(ci)
+            self.peak_states = max(self.peak_states, len(self.inflight))
 
-    def _receive(self, res: ItemResult) -> None:
-        """Record a task's values; a data failure stops its case here (its usable rows are kept, the run goes on)."""
-        st = self.states.get(res.case_index)
-        if st is None:  # the case already failed on an earlier task
-            return
-        utility = res.utility(self.config.utility)
-        if res.error is None:
-            keep = _usable(utility)
-            st.record(res.masks[keep], utility[keep], res.correct[keep], [a for a, k in zip(res.answer, keep) if k])
-            if keep.any():
-                self.utilities.add(_utility_columns(self.run_id, st.case, res, utility, self.agent_fp,
-                                                    self.config.utility, keep))
-        if bad := _error_rows(self.run_id, st.case, res, utility):
-            self.reductions.parts["errors"].add_rows(bad)
-            self.errors.extend(bad[: max(0, 12 - len(self.errors))])
-            self.failed += 1
-            self._drop(res.case_index)
+    def _receive(self, done: CasesDone) -> None:
+        """Write a task's rows and count its cases. A failed case's usable utilities are written with the rest; its
+        error rows go to errors/ (the run goes on)."""
+        if done.utilities is not None:
+            self.utilities.add_table(done.utilities)
+        self.reductions.task_done(done)
+        for c in done.clearances:
+            self._done(c)
+        if done.errors:
+            self.errors.extend(done.errors[: max(0, 12 - len(self.errors))])
+        self.failed += len(done.failed)
+        for ci in (*done.finished, *done.failed):
+            self.inflight.remove(ci)
+        self.bar.update(len(done.finished) + len(done.failed))
 
-    def _advance(self, ci: int) -> None:
-        st = self.states.get(ci)
-        if st is None:
-            return
-        if (need := advance(st, self.config.tau, self.config.adaptive_z)) is not None:
-            self.sched.enqueue(WorkItem(ci, st.case, need.masks, need.stage), pin=need.pin)
-        elif st.complete:
-            self._done(finalize(st, self.run_id, self.config.tau, self.config.kappa))
-            self._drop(ci)
-
-    def _done(self, rows: CaseRows) -> None:
-        self.reductions.case_done(rows)
-        c = rows.clearance
+    def _done(self, c: ClearanceRow) -> None:
         self.summary.add(c)
         self.finished += 1
         self.harmful += c.harmful
         self.cases_with_harm += c.harmful > 0
         self.failing += not c.baseline_correct
         self.max_evaluations = max(self.max_evaluations, c.evaluations)
-
-    def _drop(self, ci: int) -> None:
-        del self.states[ci]
-        self.sched.forget(ci)
-        self.bar.update(1)
 
 
 def _plan_size(c: AuditConfig) -> int:
@@ -432,13 +335,16 @@ def run_audit(
     reductions = ReductionWriters(out, attempt, flush_rows)
     ev = _Evaluation(feed, len(queries), config, run_id, agents, agent_fingerprint, utilities, reductions, progress,
                      previous, imports, window)
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     try:
         ev.run()  # reductions streamed as cases finish; this run's rows alone remain when it returns
     finally:
         feed.close()
         retriever.close()
     timings["evaluate_s"] = time.perf_counter() - t
+    # CPU seconds of this process during evaluation: the driver (its retrieval thread included) under Ray; driver and
+    # agent in process (local)
+    timings["evaluate_cpu_s"] = time.process_time() - cpu
     timings["retrieval_s"] = feed.busy_s  # the stage's own time, overlapped with evaluation
     timings["first_case_s"] = ev.first_case_s or 0.0
     timings.update({f"retrieval_{k}": v for k, v in retriever.stats.items()})

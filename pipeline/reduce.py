@@ -30,14 +30,14 @@ ValueTable = np.ndarray | SparseTable
 
 @dataclass
 class CaseState:
-    """What the driver knows about one case while its coalitions are in flight."""
+    """What is known about one case while its coalitions are evaluated (in the worker that runs it,
+    `pipeline.evaluate.run_cases`)."""
 
     case: Case
     plan: GamePlan
     values: ValueTable = field(init=False)  # NaN = not evaluated
     correct: ValueTable = field(init=False)
     answers: dict[int, str] = field(default_factory=dict)  # coalition -> the agent's answer
-    reused: int = 0  # coalitions taken from an earlier run's utilities
     phi: np.ndarray | None = None
     se: np.ndarray | None = None
     ranking: np.ndarray | None = None
@@ -98,29 +98,26 @@ class CaseState:
 
 @dataclass(frozen=True)
 class Need:
-    """Coalitions a case needs evaluated next. `pin`: on the worker that ran its earlier passes (prefix-cache reuse)."""
+    """Coalitions a case needs evaluated next (always by the worker that ran its earlier passes: a case runs whole in
+    one worker, whose prefix cache holds its prompt prefix)."""
 
     masks: np.ndarray
     stage: str  # "plan" or "clearance"
-    pin: bool
 
 
 def advance(state: CaseState, tau: float, z: float) -> Need | None:
     """Move a case forward after new values arrived: its plan, then (adaptive) further rounds, then attribution and
-    the clearance's second pass. Returns the coalitions it needs next, or None: it is then either `complete` or
-    waiting for a pass in flight."""
+    the clearance's second pass. Returns the coalitions it needs next, or None: it is then `complete`."""
     if state.phi is not None:
         return None
     if len(need := state.missing(state.plan_coalitions())):
-        return Need(need, "plan", pin=False)
-    # Adaptive estimator: rounds of permutations. The smallest driver change is the one the clearance's second pass
-    # already uses: when a round is in, the case either stops (next_round returns nothing) or asks for the next
-    # round's missing prefixes, pinned to the worker that holds its earlier rounds (prefix-cache reuse); the case
-    # stays "in flight" until it stops, and everything after (attribute, clearance) is unchanged.
+        return Need(need, "plan")
+    # Adaptive estimator: rounds of permutations. When a round is in, the case either stops (next_round returns
+    # nothing) or asks for the next round's missing prefixes; everything after (attribute, clearance) is unchanged.
     if len(need := state.next_round(tau, z)):
-        return Need(need, "plan", pin=True)
+        return Need(need, "plan")
     if len(need := attribute(state, tau)):
-        return Need(need, "clearance", pin=True)
+        return Need(need, "clearance")
     return None
 
 

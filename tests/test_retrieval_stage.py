@@ -92,8 +92,8 @@ class _SignallingWorker(AgentWorker):
         super().__init__(spec, agent)
         self.evaluated = evaluated
 
-    def evaluate(self, items):
-        out = super().evaluate(items)
+    def run_cases(self, tasks, settings):
+        out = super().run_cases(tasks, settings)
         self.evaluated.set()
         return out
 

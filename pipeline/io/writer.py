@@ -76,7 +76,12 @@ class PartWriter:
         self.written = 0
 
     def add(self, columns: dict[str, list]) -> None:
-        table = rows_to_table(columns, self.schema)
+        self.add_table(rows_to_table(columns, self.schema))
+
+    def add_table(self, table: pa.Table) -> None:
+        """Rows already in Arrow (built by the worker that reduced the cases), with this writer's schema."""
+        if not table.schema.equals(self.schema):
+            raise ValueError(f"{self.folder.name}: rows with schema {table.schema} given; expected {self.schema}")
         self._buf.append(table)
         self._rows += table.num_rows
         if self._rows >= self.flush_rows or time.monotonic() - self._last >= self.flush_s:

@@ -1,8 +1,8 @@
 """Agent throughput: the Ray audit pipeline against a bare vLLM `LLM.generate` loop over the same batches of prompts.
 
 (a) pipeline: the real driver (`run_audit`: scheduling, streamed Parquet, per-case reductions) over a Ray pool of
-    agents (`pipeline.ray_exec.start_agent_pool`) whose actor runs `VLLMAgent`. Every batch the driver sends is
-    recorded.
+    agents (`pipeline.ray_exec.start_agent_pool`) whose actor runs `VLLMAgent`. Every agent call the workers make
+    (a batch of coalitions) is recorded.
 (b) bare: one in-process `vllm.LLM` built with the agent's own engine arguments (`engine_kwargs`) that runs `generate`
     over exactly the recorded batches with the agent's own SamplingParams (`engine_jobs`), as a user's own loop would:
     each batch's prompts rendered as text (`prompts.build_prompt`) and tokenised by `LLM.generate`, inside the clock.
@@ -34,9 +34,10 @@ from typing import Any, Sequence
 from pipeline.agents import prompts
 from pipeline.agents.base import AgentRequest
 from pipeline.audit import AuditConfig, InputSpec
+from pipeline.cases import Case
 from pipeline.driver import run_audit
 from pipeline.errors import AgentError, ConfigError
-from pipeline.evaluate import WorkItem
+from pipeline.evaluate import CasesDone, WorkItem
 from pipeline.io.records import Pool, Query
 from pipeline.pools import WorkerPool
 from pipeline.provenance import versions
@@ -138,20 +139,28 @@ class SideResult:
 
 
 class RecordingPool:
-    """Delegates to the driver's pool and keeps every batch the driver submits, so the bare loop can replay them."""
+    """Delegates to the driver's pool and keeps every agent call the workers make (`CasesDone.calls`: each task's
+    first passes in one call, then its later passes), as batches of WorkItems the bare loop can replay."""
 
     def __init__(self, inner: WorkerPool):
         self.inner = inner
         self.n_workers, self.max_inflight = inner.n_workers, inner.max_inflight
         self.batches: list[list[WorkItem]] = []
+        self._cases: dict[int, Case] = {}  # cases of the tasks in flight, by case index
 
     def submit(self, worker: int, method: str, *args: Any) -> None:
-        if method == "evaluate":
-            self.batches.append(list(args[0]))  # references only: expanding to requests here would slow the driver
+        if method == "run_cases":
+            self._cases.update((t.case_index, t.case) for t in args[0])
         self.inner.submit(worker, method, *args)
 
     def next_done(self) -> tuple[int, Any]:
-        return self.inner.next_done()
+        worker, result = self.inner.next_done()
+        if isinstance(result, CasesDone):
+            for call in result.calls:
+                self.batches.append([WorkItem(ci, self._cases[ci], masks, stage) for ci, masks, stage in call])
+            for ci in (*result.finished, *result.failed):
+                self._cases.pop(ci, None)
+        return worker, result
 
     def call_all(self, method: str, *args: Any) -> list:
         return self.inner.call_all(method, *args)
