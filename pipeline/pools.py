@@ -58,6 +58,8 @@ def map_calls(pool: WorkerPool, method: str, items: Sequence[Any],
 class LocalPool:
     """One worker in this process; a submitted call runs when it is collected. For tests and Ray-less use."""
 
+    in_process = True  # its worker computes in the caller's thread (the driver's), under the same GIL
+
     def __init__(self, worker: Any):
         self.worker = worker
         self.n_workers, self.max_inflight = 1, 1

@@ -3,6 +3,7 @@ evaluation loop this way, so agents work on the first pools' cases while later p
 
 The producer's exception is raised in the consumer at the point it was reached (after every item produced before
 it); `close()` stops the producer at its next item (it is a daemon thread, so a driver that exits never waits on it).
+`thread=False` produces each item lazily in the consumer's own thread instead (same order, no concurrency).
 """
 
 from __future__ import annotations
@@ -26,13 +27,15 @@ class Prefetch(Generic[T]):
     EMPTY = object()
     DONE = object()
 
-    def __init__(self, source: Iterable[T], ahead: int, name: str = "prefetch"):
+    def __init__(self, source: Iterable[T], ahead: int, name: str = "prefetch", thread: bool = True):
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, ahead))
         self._stop = threading.Event()
         self._done = False
         self.busy_s = 0.0
+        self._inline = None if thread else iter(source)  # no thread: each get() produces the next item itself
         self._thread = threading.Thread(target=self._run, args=(iter(source),), name=name, daemon=True)
-        self._thread.start()
+        if thread:
+            self._thread.start()
 
     def _run(self, it: Iterator[T]) -> None:
         try:
@@ -61,6 +64,15 @@ class Prefetch(Generic[T]):
     def get(self, block: bool = True) -> T | object:
         if self._done:
             return self.DONE
+        if self._inline is not None:  # lazily, in the caller's thread (`block` is moot: the caller does the work)
+            t = time.perf_counter()
+            try:
+                return next(self._inline)
+            except StopIteration:
+                self._done = True
+                return self.DONE
+            finally:
+                self.busy_s += time.perf_counter() - t
         # waits of 1 s, so Ctrl-C reaches the consumer within a second while the producer works
         while True:
             try:
@@ -79,7 +91,8 @@ class Prefetch(Generic[T]):
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5.0)
+        if self._thread.is_alive():
+            self._thread.join(timeout=5.0)
 
 
 class _Failure:

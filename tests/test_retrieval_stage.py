@@ -53,6 +53,19 @@ def test_prefetch_runs_ahead_by_at_most_its_bound_and_close_stops_the_producer()
     assert len(made) == n < 1000 and not feed._thread.is_alive()
 
 
+def test_prefetch_without_a_thread_produces_lazily_in_order():
+    made = []
+
+    def source():
+        for i in range(3):
+            made.append(i)
+            yield i
+
+    feed = Prefetch(source(), ahead=2, thread=False)
+    assert made == [] and feed.get() == 0 and made == [0]
+    assert feed.get(block=False) == 1 and feed.get() == 2 and feed.get() is Prefetch.DONE
+
+
 def test_prefetch_get_without_blocking_says_empty_while_the_producer_works():
     gate = threading.Event()
 
@@ -98,6 +111,13 @@ class _SignallingWorker(AgentWorker):
         return out
 
 
+class _ActorLikePool(LocalPool):
+    """A pool whose worker stands for actors in other processes: the driver then runs retrieval in its own thread
+    (with a truly in-process agent it retrieves lazily in the driver's thread, see `pipeline.driver`)."""
+
+    in_process = False
+
+
 @needs_minilm
 def test_evaluation_starts_while_later_pools_are_still_being_embedded(tmp_path, monkeypatch):
     monkeypatch.setenv("MECLEAR_CACHE", str(tmp_path / "cache"))  # cold: every text goes to the encoder
@@ -107,7 +127,7 @@ def test_evaluation_starts_while_later_pools_are_still_being_embedded(tmp_path, 
     encoder = _GatedEncoder(evaluated, pools[last_pool].memories[0].text)
     cfg = AuditConfig(executor="local", dense="on")
     agent = ReaderAgent()
-    pool = LocalPool(_SignallingWorker(cfg.agent_spec, agent, evaluated))
+    pool = _ActorLikePool(_SignallingWorker(cfg.agent_spec, agent, evaluated))
     result = run_audit(pools, queries, cfg, tmp_path / "out", pool, agent.fingerprint(), files, progress=False,
                        encoder=encoder)
     assert encoder.waited is True and result.cases == len(queries) and result.failed == 0
