@@ -21,6 +21,7 @@ import uuid
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from pipeline.cases import Case, case_seed
 from pipeline.evaluate import CasesDone, CaseSettings, CaseTask
@@ -300,7 +301,7 @@ def run_audit(
     lock: OutLock | None = None,
     flush_rows: int = 50_000,
     window: int | None = None,
-    encoder: object | None = None,
+    encoder: Callable[[], object] | None = None,
 ) -> AuditResult:
     """Run an audit on an already-started pool of `pipeline.evaluate.AgentWorker`s. Inputs must be validated (the
     loaders do that).
@@ -308,8 +309,8 @@ def run_audit(
     `lock`: the output folder's lock when the caller already holds it (`pipeline.audit.audit` takes it before
     starting agents); otherwise the folder is checked and locked here. `reuse`: earlier run folders whose utilities
     are reused by key. `window`: most cases in flight at once (default `case_window`: enough to keep every worker
-    busy). `encoder`: what embeds texts the embedding cache lacks (`pipeline.retrieval.Retriever`); default
-    MiniLM in this process.
+    busy). `encoder`: starts what embeds texts the embedding cache lacks, called only when one is missing
+    (`pipeline.retrieval.Retriever`); default MiniLM in this process.
     """
     out = Path(out)
     if lock is None:

@@ -16,7 +16,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -195,9 +195,9 @@ class Retriever:
 
     Embeddings (memories and questions) go through the on-disk cache (`pipeline.embeddings`), so a rerun over an
     unchanged pool embeds nothing. `cache_dir=None` uses `$MECLEAR_CACHE` (default ~/.cache/meclear); `cache=False`
-    embeds without reading or writing the cache. `encoder`: what embeds the texts the cache lacks, called only then
-    (a `pipeline.embeddings.PoolEncoder` over Ray actors, or a callable returning one, so that no actor starts when
-    the cache is warm); default MiniLM in this process. `stats` says what was embedded and reused.
+    embeds without reading or writing the cache. `encoder`: a callable returning what embeds the texts the cache lacks
+    (e.g. a `pipeline.embeddings.PoolEncoder` over Ray actors), called the first time the cache lacks a text, so that
+    no actor starts when the cache is warm; default MiniLM in this process. `stats` says what was embedded and reused.
 
     `stream` is the audit's retrieval stage: pool by pool, it embeds that pool's new texts and yields its frozen
     contexts, then drops the pool's index, so contexts reach the agents while later pools are still embedded and
@@ -206,12 +206,12 @@ class Retriever:
 
     def __init__(self, pools: dict[str, Pool], top_k: int = DEFAULT_TOP_K, dense: str = "auto",
                  cache_dir: str | Path | None = None, cache: bool = True, progress: bool = False,
-                 encoder: object | None = None):
+                 encoder: Callable[[], object] | None = None):
         check_top_k(top_k, "retrieval")
         self.pools, self.top_k, self.progress = pools, top_k, progress
         dense_on = use_dense(dense)
         self._local = MiniLMEncoder() if dense_on else None  # its model id names the cache; weights load on first use
-        self._encoder_arg = encoder
+        self._start_encoder = encoder
         self._encoder = None
         self.cache = EmbeddingCache(self._local.model_id, cache_dir) if (dense_on and cache) else None
         self.mode = retrieval_mode(dense_on)
@@ -227,9 +227,9 @@ class Retriever:
     def encoder(self):
         """What embeds new texts, built on first need (an actor pool starts only when the cache lacks a text)."""
         if self._encoder is None:
-            arg = self._encoder_arg
-            self._encoder = (arg() if callable(arg) and not hasattr(arg, "encode") else arg) or self._local
-            self.stats["encoder_started"] = int(self._encoder is not self._local)
+            started = self._start_encoder() if self._start_encoder is not None else None
+            self._encoder = started or self._local
+            self.stats["encoder_started"] = int(started is not None)
         return self._encoder
 
     def _embed(self, texts: list[str]) -> np.ndarray:
@@ -279,7 +279,7 @@ class Retriever:
 
     def close(self) -> None:
         """Stop an encoder this retriever started (an actor pool)."""
-        if self._encoder is not None and self._encoder is not self._local and hasattr(self._encoder, "close"):
+        if self.stats["encoder_started"] and hasattr(self._encoder, "close"):
             self._encoder.close()
 
 

@@ -129,7 +129,7 @@ def test_evaluation_starts_while_later_pools_are_still_being_embedded(tmp_path, 
     agent = ReaderAgent()
     pool = _ActorLikePool(_SignallingWorker(cfg.agent_spec, agent, evaluated))
     result = run_audit(pools, queries, cfg, tmp_path / "out", pool, agent.fingerprint(), files, progress=False,
-                       encoder=encoder)
+                       encoder=lambda: encoder)
     assert encoder.waited is True and result.cases == len(queries) and result.failed == 0
     assert result.timings["retrieval_texts_embedded"] > 0 and result.timings["retrieval_encoder_started"] == 1
     assert 0 < result.timings["first_case_s"] < result.timings["evaluate_s"]
