@@ -7,7 +7,7 @@ rows as Arrow tables; the driver streams them (contexts, utilities, attributions
 files named by the run attempt: driver memory is the window, not the pool.
 When the run finishes, every other run's (and crashed attempt's) reduction parts are dropped, so each reduction
 folder holds exactly this run's rows; after a crash it holds every case that finished. Rows are keyed by (pool, query, context hash, coalition, agent, utility mode), so
-a rerun into the same folder (or one given `reuse=PREVIOUS_OUT`, `pipeline.io.reuse`) skips every coalition already
+a rerun into the same folder (or one given `reuse=PREVIOUS_OUT`, `pipeline.store.reuse`) skips every coalition already
 written. Part files are content-addressed and compacted at the end of each run, so resuming after any crash
 converges: `utilities/` ends with every key exactly once. A case whose agent fails or returns a non-finite or
 out-of-range utility goes to `errors/`; the other cases finish.
@@ -26,10 +26,10 @@ from typing import Callable
 from pipeline.cases import Case, case_seed
 from pipeline.evaluate import CasesDone, CaseSettings, CaseTask
 from pipeline.game import make_plan
-from pipeline.io import writer
-from pipeline.io.outdir import DATASET_NAMES, OutLock, check_out
+from pipeline.store import writer
+from pipeline.store.outdir import DATASET_NAMES, OutLock, check_out
 from pipeline.io.records import Pool, Query
-from pipeline.io.reuse import PoolReuse, ReuseImport, previous_run_id
+from pipeline.store.reuse import PoolReuse, ReuseImport, previous_run_id
 from pipeline.pools import WorkerPool
 from pipeline.provenance import sha256_file, versions
 from pipeline.prefetch import Prefetch

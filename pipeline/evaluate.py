@@ -26,7 +26,7 @@ from pipeline.cases import Case
 from pipeline.errors import AgentStartError, ConfigError, MeClearError
 from pipeline.game import GamePlan
 from pipeline.game.plan import popcount
-from pipeline.io.writer import rows_to_table
+from pipeline.store.writer import rows_to_table
 from pipeline.reduce import CaseState, ClearanceRow, advance, finalize
 from pipeline.schemas import ATTRIBUTIONS, CLEARANCES, CONTEXTS, INTERACTIONS, UTILITIES
 from pipeline.text import gold_index
@@ -147,7 +147,7 @@ class CaseSettings:
 @dataclass(frozen=True)
 class CaseTask:
     """One whole case for a worker: the case, its plan (made by the driver, which sizes tasks by it) and the values an
-    earlier run wrote for its key (`pipeline.io.reuse.PoolReuse`: coalitions, utilities, correct, answers), if any."""
+    earlier run wrote for its key (`pipeline.store.reuse.PoolReuse`: coalitions, utilities, correct, answers), if any."""
 
     case_index: int
     case: Case

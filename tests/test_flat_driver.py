@@ -14,7 +14,7 @@ from pipeline.evaluate import AgentWorker
 from pipeline.game import SparseTable, make_plan
 from pipeline.game.attribution import interactions_from_evaluated, shapley_permutation
 from pipeline.game.plan import prefix_masks
-from pipeline.io.reuse import PoolReuse, previous_utilities
+from pipeline.store.reuse import PoolReuse, previous_utilities
 from pipeline.pools import LocalPool
 from pipeline.reduce import CaseState
 

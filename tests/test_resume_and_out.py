@@ -16,7 +16,7 @@ import polars as pl
 import pytest
 
 from pipeline.cli import main
-from pipeline.io.outdir import OutLock
+from pipeline.store.outdir import OutLock
 from pipeline.audit import sample_paths
 from test_audit_local import audit
 

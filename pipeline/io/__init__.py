@@ -1,1 +1,2 @@
-"""Input loaders (memory pools, query sets, LoCoMo) and output writers. Inputs are only ever opened for reading."""
+"""Input loaders (memory pools, query sets, LoCoMo, mem0). Inputs are only ever opened for reading; the run folder
+is `pipeline.store`."""

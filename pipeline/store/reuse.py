@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.io import writer
+from pipeline.store import writer
 from pipeline.schemas import UTILITIES, UTILITY_KEY
 
 
