@@ -22,7 +22,8 @@ from pipeline.errors import ConfigError, OutputError
 from pipeline.evaluate import AgentWorker, agent_fingerprint
 from pipeline.io.loaders import input_files, load_pools, load_queries
 from pipeline.io.locomo import load_locomo
-from pipeline.store.outdir import OutLock, check_out
+from pipeline.store.lock import OutLock
+from pipeline.store.outdir import check_out
 from pipeline.io.records import MAX_MEMORY_CHARS, Pool, Query
 from pipeline.pools import LocalPool, WorkerPool
 from pipeline.settings import AuditConfig

@@ -27,7 +27,8 @@ from pipeline.cases import Case, case_seed
 from pipeline.evaluate import CasesDone, CaseSettings, CaseTask
 from pipeline.game import make_plan
 from pipeline.store import writer
-from pipeline.store.outdir import DATASET_NAMES, OutLock, check_out
+from pipeline.store.lock import OutLock
+from pipeline.store.outdir import DATASET_NAMES, check_out
 from pipeline.io.records import Pool, Query
 from pipeline.store.reuse import PoolReuse, ReuseImport, previous_run_id
 from pipeline.pools import WorkerPool

@@ -16,7 +16,6 @@ import polars as pl
 import pytest
 
 from pipeline.cli import main
-from pipeline.store.outdir import OutLock
 from pipeline.audit import sample_paths
 from test_audit_local import audit
 
@@ -132,13 +131,20 @@ def _tree(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+HOLDER = """
+import sys, time
+OutLock(sys.argv[1]).acquire()
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
 def test_second_run_into_a_locked_out_exits_2_at_once(tmp_path, capsys):
     out = tmp_path / "o"
-    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(out)], env=env, stdout=subprocess.PIPE, text=True)
     try:
-        lock = OutLock(out)
-        lock.acquire()
-        (out / ".meclear.lock").write_text(json.dumps({"pid": holder.pid, "host": os.uname().nodename, "started": "t"}))
+        assert holder.stdout.readline().strip() == "held"
         before = _tree(out)
         rc = main(["audit", "--out", str(out), "--executor", "local", "--dense", "off", "--no-progress"])
         err = capsys.readouterr().err.strip()
@@ -147,7 +153,8 @@ def test_second_run_into_a_locked_out_exits_2_at_once(tmp_path, capsys):
     finally:
         holder.kill()
         holder.wait()
-    # its owner gone, the lock is stale: the next run takes it over and finishes
+    # its owner gone (killed: no cleanup), the lock file stays but nobody holds it: the next run takes it over
+    assert (out / ".meclear.lock").exists()
     assert main(["audit", "--out", str(out), "--executor", "local", "--dense", "off", "--no-progress"]) == 0
     assert not (out / ".meclear.lock").exists()
 

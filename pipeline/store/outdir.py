@@ -11,16 +11,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
-import time
 from pathlib import Path
 from typing import Iterable
 
 from pipeline.errors import OutputError
+from pipeline.store.lock import LOCK
 
 log = logging.getLogger(__name__)
 
-LOCK = ".meclear.lock"
 DATASET_NAMES = ("contexts", "utilities", "attributions", "interactions", "clearances", "errors")
 OWN_FILES = {*DATASET_NAMES, "manifest.json", LOCK}
 
@@ -67,79 +65,3 @@ def check_out(out: Path, inputs: Iterable[str | Path]) -> None:
     existing = next((p for p in [out, *out.parents] if p.exists()), Path("."))
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise OutputError(f"--out {out}: {existing} is not a writable folder")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-class OutLock:
-    """`.meclear.lock` in the output folder, held for the run. Use as a context manager."""
-
-    def __init__(self, out: Path):
-        self.path = Path(out) / LOCK
-        self.held = False
-        self._created: Path | None = None  # the topmost folder this lock created, removed again if left empty
-
-    def acquire(self) -> None:
-        missing = [p for p in [self.path.parent, *self.path.parent.parents] if not p.exists()]
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._created = missing[-1] if missing else None
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        for _ in range(2):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                owner = self._owner()
-                if owner is None and time.time() - self._mtime() < 10:  # its owner is still writing it
-                    owner = {"pid": "?", "host": "?", "started": "just now"}
-                elif owner is None or (owner.get("host") == info["host"] and not _pid_alive(int(owner.get("pid", -1)))):
-                    log.warning("%s: taking over a stale lock (%s)", self.path, owner)
-                    self.path.unlink(missing_ok=True)
-                    continue
-                raise OutputError(f"--out {self.path.parent}: in use by pid {owner.get('pid')} on {owner.get('host')} "
-                                  f"since {owner.get('started')}; if that run is gone, delete {self.path}") from None
-            with os.fdopen(fd, "w") as fh:
-                json.dump(info, fh)
-            self.held = True
-            return
-        raise OutputError(f"--out {self.path.parent}: could not take the lock {self.path}")
-
-    def _mtime(self) -> float:
-        try:
-            return self.path.stat().st_mtime
-        except OSError:
-            return 0.0
-
-    def _owner(self) -> dict | None:
-        try:
-            data = json.loads(self.path.read_text())
-            return data if isinstance(data, dict) and "pid" in data else None
-        except (ValueError, OSError):
-            return None
-
-    def release(self) -> None:
-        if self.held:
-            self.path.unlink(missing_ok=True)
-            self.held = False
-            if self._created is not None:  # a run that wrote nothing leaves no folder behind
-                for p in [self.path.parent, *self.path.parent.parents]:
-                    try:
-                        p.rmdir()
-                    except OSError:
-                        break
-                    if p == self._created:
-                        break
-
-    def __enter__(self) -> "OutLock":
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
