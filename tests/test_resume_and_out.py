@@ -133,6 +133,7 @@ def _tree(folder: Path) -> dict[str, bytes]:
 
 HOLDER = """
 import sys, time
+from pipeline.store.lock import OutLock
 OutLock(sys.argv[1]).acquire()
 print("held", flush=True)
 time.sleep(60)
