@@ -14,7 +14,9 @@ import sys
 import time
 
 from pipeline.cli import print_summary, safe
-from pipeline.errors import EXIT_CASE_ERRORS, EXIT_INTERRUPTED, MeClearError
+from pipeline import signals
+from pipeline.errors import EXIT_CASE_ERRORS, EXIT_DISK_FULL, MeClearError
+from pipeline.store.outdir import disk_full
 from pipeline.audit import audit, load_job_config
 
 
@@ -27,15 +29,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        job = load_job_config(args.config)
-        t = time.perf_counter()
-        result = audit(job.inputs, job.audit, job.out, progress=not args.no_progress, reuse=args.reuse)
+        with signals.handled():  # `ray job stop` sends SIGTERM: the same cleanup and one line as Ctrl-C
+            job = load_job_config(args.config)
+            t = time.perf_counter()
+            result = audit(job.inputs, job.audit, job.out, progress=not args.no_progress, reuse=args.reuse)
     except MeClearError as exc:
         print(f"nightly_audit: error: {safe(exc)}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
-        print("nightly_audit: interrupted; agents shut down", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as exc:
+        line, code = signals.stopped_line("nightly_audit", exc)
+        print(line, file=sys.stderr)
+        return code
+    except OSError as exc:
+        line = disk_full(exc)
+        if line is None:
+            raise
+        print(f"nightly_audit: error: {safe(line)}", file=sys.stderr)
+        return EXIT_DISK_FULL
     print_summary(result, time.perf_counter() - t)
     return EXIT_CASE_ERRORS if result.failed else 0
 

@@ -11,10 +11,12 @@ from pathlib import Path
 
 from pipeline.agents import AGENTS
 from pipeline.agents.utility import UTILITY_MODES
-from pipeline.errors import EXIT_CASE_ERRORS, EXIT_INTERRUPTED, MeClearError
+from pipeline import signals
+from pipeline.errors import EXIT_CASE_ERRORS, EXIT_DISK_FULL, MeClearError
 from pipeline.game.plan import ESTIMATORS
 from pipeline.retrieval import DENSE_MODES
 from pipeline.settings import EXECUTORS, field_default
+from pipeline.store.outdir import disk_full
 from pipeline.text import safe
 from pipeline.validation import key_values
 
@@ -204,14 +206,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    try:
-        return args.func(args)
-    except MeClearError as exc:
-        print(f"meclear: error: {safe(exc)}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:  # pipeline.audit's finally blocks have shut the agents down and released the lock
-        print("meclear: interrupted; agents shut down", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    with signals.handled():  # SIGTERM and SIGHUP stop a run the way Ctrl-C does
+        try:
+            return args.func(args)
+        except MeClearError as exc:
+            print(f"meclear: error: {safe(exc)}", file=sys.stderr)
+            return exc.exit_code
+        except KeyboardInterrupt as exc:  # pipeline.audit's finally blocks have shut the agents down, released the lock
+            line, code = signals.stopped_line("meclear", exc)
+            print(line, file=sys.stderr)
+            return code
+        except OSError as exc:
+            line = disk_full(exc)
+            if line is None:
+                raise
+            print(f"meclear: error: {safe(line)}", file=sys.stderr)
+            return EXIT_DISK_FULL
 
 
 if __name__ == "__main__":

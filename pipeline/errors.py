@@ -56,7 +56,9 @@ class ResourceError(MeClearError):
 
 
 # Exit codes of `meclear` and the jobs: 0 done; 1 an unexpected failure (a bug: traceback); 2 bad input, settings or
-# output folder (one line, nothing written); 3 finished, but some cases failed for a data reason (see errors/);
-# 130 interrupted (Ctrl-C; agents shut down).
+# output folder (one line, nothing written), and a full disk (one line; the whole parts written stay, a rerun resumes);
+# 3 finished, but some cases failed for a data reason (see errors/); 130 interrupted (Ctrl-C); 143 SIGTERM, 129 SIGHUP
+# (128 + the signal: `pipeline.signals`); in every stopped case the agents are shut down and the lock released.
 EXIT_CASE_ERRORS = 3
+EXIT_DISK_FULL = 2
 EXIT_INTERRUPTED = 130

@@ -14,6 +14,7 @@ import os
 from contextlib import contextmanager
 from typing import Any, Iterator, Mapping, Sequence
 
+from pipeline import signals
 from pipeline.agents import AgentSpec
 from pipeline.errors import ConfigError, ResourceError
 from pipeline.evaluate import AgentWorker, agent_fingerprint
@@ -106,6 +107,7 @@ def cluster_session(num_cpus: int | None = None, temp_dir: str | None = None) ->
             kwargs["_temp_dir"] = temp_dir
         ray.init(**kwargs)
         log.info("started local Ray with %s CPUs", ray.cluster_resources().get("CPU"))
+    signals.reinstall()  # ray.init replaced the SIGTERM handler with a bare sys.exit
     try:
         yield
     finally:

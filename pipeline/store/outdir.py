@@ -65,3 +65,17 @@ def check_out(out: Path, inputs: Iterable[str | Path]) -> None:
     existing = next((p for p in [out, *out.parents] if p.exists()), Path("."))
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise OutputError(f"--out {out}: {existing} is not a writable folder")
+
+
+def disk_full(exc: OSError) -> str | None:
+    """The one line for a write that failed because the disk (or the user's quota) is full, or None for any other
+    OSError. Arrow's writers raise OSError without an errno, so their message is read too. Every file reaches its
+    final name only once whole (`pipeline.store.writer`), so what stays is whole; a rerun resumes from it."""
+    import errno
+
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in str(exc) \
+            or "Disk quota exceeded" in str(exc):
+        where = f" writing {exc.filename}" if exc.filename else ""
+        return (f"disk full{where}; free space (or give another --out) and rerun: whole parts already written are "
+                "kept and the run resumes")
+    return None
