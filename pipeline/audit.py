@@ -139,8 +139,9 @@ def audit(inputs: InputSpec, config: AuditConfig, out: str | Path, progress: boo
     for r in reuse:
         if not (Path(r) / "utilities").is_dir():
             raise OutputError(f"--reuse {r}: has no utilities/ folder; give an earlier run's --out")
-    check_out(out, files)
     reuse_dirs = [r for r in reuse if Path(r).resolve() != out.resolve()]
+    # every file and folder the run reads: --out may neither hold one nor sit inside one
+    check_out(out, [*files, *inputs.memories, *inputs.queries, *inputs.mem0, *filter(None, [inputs.locomo]), *reuse_dirs])
     with OutLock(out) as lock:
         t = time.perf_counter()
         with agents_running(config, spec) as (agents, fingerprint):

@@ -16,6 +16,7 @@ from pipeline.errors import EXIT_CASE_ERRORS, EXIT_DISK_FULL, MeClearError
 from pipeline.game.plan import ESTIMATORS
 from pipeline.retrieval import DENSE_MODES
 from pipeline.settings import EXECUTORS, field_default
+from pipeline.store.manifest import FILE as manifest_file
 from pipeline.store.outdir import disk_full
 from pipeline.text import safe
 from pipeline.validation import key_values
@@ -178,7 +179,7 @@ def print_summary(result, wall: float) -> None:
         print(f"\n  {result.failed} queries failed and are in errors/ (first: "
               f"{safe(result.errors[0]['query_id'])}: {safe(result.errors[0]['reason'])})")
     print(f"\n  outputs: {safe(Path(result.out).resolve())}  (run {result.run_id})")
-    print("  datasets: contexts/ utilities/ attributions/ interactions/ clearances/ errors/ manifest.json")
+    print(f"  datasets: contexts/ utilities/ attributions/ interactions/ clearances/ errors/ {manifest_file}")
 
 
 def _print_clearances(summary, limit: int = 12) -> None:

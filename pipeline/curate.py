@@ -7,15 +7,13 @@ again, which is what a curator wants to weigh.
 
 from __future__ import annotations
 
-import os
-import uuid
 from pathlib import Path
 
 import polars as pl
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from pipeline.report.data import load_run, memory_texts
+from pipeline.store import writer
 
 CURATION = pa.schema(
     [
@@ -100,11 +98,8 @@ def curate(run_dirs: list[str | Path]) -> pa.Table:
 
 
 def write_curation(table: pa.Table, out: str | Path) -> None:
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.tmp")
-    pq.write_table(table, tmp, compression="zstd")
-    os.replace(tmp, out)
+    """Whole or not at all (`--out` was checked by `pipeline.store.outdir.check_file_out`)."""
+    writer.write_table_atomic(table, Path(out))
 
 
 def print_table(table: pa.Table, top: int = 15) -> None:

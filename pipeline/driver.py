@@ -30,7 +30,10 @@ from pipeline.store import writer
 from pipeline.store.lock import OutLock
 from pipeline.store.outdir import DATASET_NAMES, check_out
 from pipeline.io.records import Pool, Query
-from pipeline.store.reuse import PoolReuse, ReuseImport, previous_run_id
+from pipeline.store import manifest as manifests
+from pipeline.store import parts
+from pipeline.store.manifest import Manifest
+from pipeline.store.reuse import PoolReuse, ReuseImport
 from pipeline.pools import WorkerPool
 from pipeline.provenance import sha256_file, versions
 from pipeline.prefetch import Prefetch
@@ -278,14 +281,17 @@ def _open_run(out: Path, config: AuditConfig, agent_fp: str,
     run_id = fingerprint({"config": asdict(config), "inputs": [i["sha256"] for i in inputs], "agent": agent_fp})
     out.mkdir(parents=True, exist_ok=True)
     writer.recover_swaps(out, DATASET_NAMES)
-    previous_run = previous_run_id(out)
+    previous_run = manifests.run_id(out)
+    # Before any evaluation: damaged parts (a kill or power loss mid-write) go to quarantine/ and are evaluated again;
+    # a part of another schema version stops the run here, with one line.
+    parts.sweep(out, DATASETS)
     if previous_run and previous_run != run_id:  # utilities are kept by key; the reductions are replaced
         log.warning("%s: replacing the reductions of run %s (other settings or inputs) with run %s; its utilities "
                     "stay and are reused where their key matches", out, previous_run, run_id)
     # Until this run finishes, the manifest says so: a reader never mistakes a crashed run's folder for a complete one.
     attempt = uuid.uuid4().hex[:12]
-    writer.write_json_atomic(out / "manifest.json", {"run_id": run_id, "status": "running", "attempt": attempt,
-                                                     "datasets": sorted(DATASETS)})
+    Manifest(run_id=run_id, status="running", attempt=attempt, datasets=sorted(DATASETS), config=asdict(config),
+             agent=agent_fp, inputs=inputs).write(out)
     return run_id, attempt, inputs, previous_run
 
 
@@ -383,25 +389,24 @@ def run_audit(
         peak_cases_in_flight=ev.peak_states,
         window=ev.window,
     )
-    manifest = _manifest(result, config, agent_fingerprint, retriever.mode, inputs)
-    manifest["utilities"] = store | {"complete": True}
-    manifest["attempt"] = attempt  # every reduction part is named part-<attempt>-<digest>.parquet
-    manifest["reuse"] = [str(r) for r in (reuse or [])]
-    manifest["replaced_run"] = previous_run if previous_run != run_id else None
-    writer.write_json_atomic(out / "manifest.json", manifest)
+    _manifest(result, config, agent_fingerprint, retriever.mode, inputs, attempt, store,
+              [str(r) for r in (reuse or [])], previous_run if previous_run != run_id else None).write(out)
     return result
 
 
-def _manifest(result: AuditResult, config: AuditConfig, agent_fp: str, retrieval: str, inputs: list[dict]) -> dict:
-    return {
-        "run_id": result.run_id,
-        "status": "complete" if not result.failed else "complete_with_errors",
-        "config": asdict(config),
-        "agent": agent_fp,
-        "retrieval": retrieval,
-        "inputs": inputs,
-        "versions": versions(),
-        "counts": {
+def _manifest(result: AuditResult, config: AuditConfig, agent_fp: str, retrieval: str, inputs: list[dict],
+              attempt: str, store: dict, reuse: list[str], replaced_run: str | None) -> Manifest:
+    return Manifest(
+        run_id=result.run_id,
+        status="complete" if not result.failed else "complete_with_errors",
+        attempt=attempt,  # every reduction part is named part-<attempt>-<digest>.parquet
+        datasets=sorted(DATASETS),
+        config=asdict(config),
+        agent=agent_fp,
+        retrieval=retrieval,
+        inputs=inputs,
+        versions=versions(),
+        counts={
             "cases": result.cases,
             "harmful_memories": result.harmful,
             "cases_with_harm": result.cases_with_harm,
@@ -413,6 +418,8 @@ def _manifest(result: AuditResult, config: AuditConfig, agent_fp: str, retrieval
             "max_evaluations_per_case": result.max_evaluations,
             "failed_cases": result.failed,
         },
-        "timings": result.timings,
-        "datasets": sorted(DATASETS),
-    }
+        timings=result.timings,
+        utilities=store | {"complete": True},
+        reuse=reuse,
+        replaced_run=replaced_run,
+    )

@@ -243,12 +243,12 @@ def evaluate(config: EvalConfig, out: str | Path, progress: bool = True) -> dict
     from pipeline.io.locomo import load_locomo
 
     from pipeline.extras import require_eval
+    from pipeline.store.outdir import check_eval_out
 
     require_eval(config.methods)  # before any work: a missing extra must not surface after the whole benchmark
     t0 = time.perf_counter()
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out}: exists and is not a folder")
+    check_eval_out(out, [config.locomo])  # the output-safety rule shared by every command (pipeline.store.outdir)
     source_sha = sha256_file(config.locomo) if Path(config.locomo).is_file() else ""
     pools, _ = load_locomo(config.locomo, conversations=list(config.conversations) or None)  # raises InputError
     conversations = list(pools)

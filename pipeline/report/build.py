@@ -33,10 +33,10 @@ def pool_section(run: rd.Run, pools: list[dict]) -> str:
     rows = [[p[k] for k, _ in POOL_COLS] for p in pools]
     if len(pools) > 1:
         rows.append(["all pools", *[total[k] for k, _ in POOL_COLS[1:]]])
-    cfg = run.manifest.get("config", {})
-    note = (f'<p class="muted">agent {esc(run.manifest.get("agent"))}, utility {esc(cfg.get("utility"))}, '
+    cfg = run.manifest.config
+    note = (f'<p class="muted">agent {esc(run.manifest.agent)}, utility {esc(cfg.get("utility"))}, '
             f'K={esc(cfg.get("top_k"))}, L={esc(cfg.get("permutations"))}, τ={esc(cfg.get("tau"))}, '
-            f'retrieval {esc(run.manifest.get("retrieval"))}. "Recovered" counts wrongly answered queries whose '
+            f'retrieval {esc(run.manifest.retrieval)}. "Recovered" counts wrongly answered queries whose '
             "verified clearance gives the gold answer.</p>")
     fig = plots.pool_figure(pools) if len(pools) <= 40 else ""  # beyond 40 pools the table says more than bars
     return _section("Pools", html_table([h for _, h in POOL_COLS], rows, set(range(1, len(POOL_COLS)))) + note
@@ -126,7 +126,7 @@ def audit_report(run_dir: str | Path, previous: list[str | Path] = (), figures: 
         sections.append(trend_section(runs, [rd.pool_summary(r) for r in runs]))
     sections.append(query_section())
     title = f"MeClear audit report — {run.path.name}"
-    sub = f"run {run.manifest.get('run_id')} · written {run.when} · {len(records)} queries in {len(pools)} pools"
+    sub = f"run {run.manifest.run_id} · written {run.when} · {len(records)} queries in {len(pools)} pools"
     stats = {"queries": len(records), "figures": sum(w for w in wanted)}
     return document(title, sub, sections, {"queries": out_q}, script=True), stats
 

@@ -7,6 +7,8 @@ import time
 from pathlib import Path
 
 from pipeline.errors import InputError
+from pipeline.store import writer
+from pipeline.store.outdir import REPORT, check_file_out
 
 
 def add_parsers(sub) -> None:
@@ -34,19 +36,22 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     run = Path(args.run_dir)
     t = time.perf_counter()
+    out = Path(args.out) if args.out else run / REPORT
     if build.is_eval(run):
         if args.previous:
             raise InputError(run, "", None, "is an eval output; --previous applies to audit runs only")
+        check_file_out(out, "report", [run], own_report_of=run)
         text, what = build.eval_report(run), "benchmark report"
     else:
         for p in [run, *args.previous]:
             if not data.is_run(p):
-                raise InputError(p, "", None, "is neither an audit run (manifest.json, clearances/) nor an eval output "
-                                              "(summary.json, cases.parquet)")
+                raise InputError(p, "", None, "is neither an audit run (a manifest and clearances/) nor an eval "
+                                              "output (summary.json, cases.parquet)")
+        check_file_out(out, "report", [run, *map(Path, args.previous)], own_report_of=run)
         text, stats = build.audit_report(run, args.previous, args.figures, not args.no_progress, args.jobs)
         what = f"audit report, {stats['queries']} queries, {stats['figures']} query figures"
-    out = Path(args.out) if args.out else run / "report.html"
-    _write_text_atomic(out, text)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    writer.write_bytes_atomic(out, text.encode("utf-8"))
     print(f"meclear report: {what} -> {out} ({len(text.encode()) / 1e6:.1f} MB, {time.perf_counter() - t:.1f} s)")
     return 0
 
@@ -58,19 +63,10 @@ def cmd_curate(args: argparse.Namespace) -> int:
         from pipeline.report.data import is_run
 
         if not is_run(p):
-            raise InputError(p, "", None, "is not an audit run folder (manifest.json, clearances/)")
+            raise InputError(p, "", None, "is not an audit run folder (a manifest and clearances/)")
+    check_file_out(Path(args.out), "curation", args.run_dirs)
     table = curate(args.run_dirs)
     write_curation(table, args.out)
     print_table(table, args.top)
     print(f"\n  {table.num_rows} memories harmful at least once -> {args.out} (a proposal; the memory bank is untouched)")
     return 0
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    import os
-    import uuid
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -10,8 +9,11 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from pipeline.errors import InputError
 from pipeline.game.clearance import nested_removals
+from pipeline.schemas import DATASETS
+from pipeline.store import manifest as manifests
+from pipeline.store import parts
+from pipeline.store.manifest import Manifest
 
 REQUIRED = ("clearances", "attributions", "interactions", "contexts", "utilities")
 
@@ -19,7 +21,7 @@ REQUIRED = ("clearances", "attributions", "interactions", "contexts", "utilities
 @dataclass
 class Run:
     path: Path
-    manifest: dict
+    manifest: Manifest
     when: str  # ISO time the run was written (manifest mtime), UTC
     clearances: pl.DataFrame
     attributions: pl.DataFrame
@@ -32,34 +34,26 @@ class Run:
         return f"{self.path.name} ({self.when[:16].replace('T', ' ')})"
 
 
-def _read(folder: Path) -> pl.DataFrame:
-    return pl.scan_parquet(folder / "*.parquet").collect()
-
-
 def is_run(path: str | Path) -> bool:
-    return (Path(path) / "manifest.json").is_file() and (Path(path) / "clearances").is_dir()
+    return manifests.exists(path) and (Path(path) / "clearances").is_dir()
 
 
 def load_run(path: str | Path) -> Run:
+    """A finished run, every part verified and every column present (one line naming the file otherwise)."""
     p = Path(path)
-    if not (p / "manifest.json").is_file():
-        raise InputError(p, "", None, "is not an audit run folder (no manifest.json); run `meclear audit --out DIR` first")
-    for name in REQUIRED:
-        if not any((p / name).glob("*.parquet")):
-            raise InputError(p / name, "", None, "holds no Parquet files; the run is incomplete")
-    manifest = json.loads((p / "manifest.json").read_text())
-    when = datetime.fromtimestamp((p / "manifest.json").stat().st_mtime, tz=timezone.utc).isoformat(timespec="milliseconds")
-    clear = _read(p / "clearances")
+    manifest = manifests.finished(p)
+    when = datetime.fromtimestamp(manifests.path(p).stat().st_mtime, tz=timezone.utc).isoformat(timespec="milliseconds")
+    read = {name: parts.read_dataset(p, name, DATASETS[name]) for name in REQUIRED}
+    clear = read["clearances"]
     keys = clear.select("pool_id", "query_id", "context_hash")
     util = (
-        pl.scan_parquet(p / "utilities" / "*.parquet")
-        .filter((pl.col("agent") == manifest["agent"]) & (pl.col("utility_mode") == manifest["config"]["utility"]))
+        read["utilities"]
+        .filter((pl.col("agent") == manifest.agent) & (pl.col("utility_mode") == manifest.config.get("utility")))
         .select("pool_id", "query_id", "context_hash", "coalition", "utility", "correct", "answer")
         .unique(subset=["pool_id", "query_id", "context_hash", "coalition"], keep="first")
-        .collect()
         .join(keys, on=["pool_id", "query_id", "context_hash"], how="semi")
     )
-    return Run(p, manifest, when, clear, _read(p / "attributions"), _read(p / "interactions"), _read(p / "contexts"), util)
+    return Run(p, manifest, when, clear, read["attributions"], read["interactions"], read["contexts"], util)
 
 
 def col(df: pl.DataFrame, name: str, default=None) -> list:
@@ -136,7 +130,7 @@ def query_records(run: Run) -> list[dict]:
         "pool_id", "query_id", "coalition", "utility", "correct", "answer"
     ).iter_rows():
         util.setdefault((pool, q), {})[coal] = (u, ok, ans)
-    tau = float(run.manifest["config"]["tau"])
+    tau = float(run.manifest.config["tau"])
     records = []
     for row in run.clearances.iter_rows(named=True):
         key = (row["pool_id"], row["query_id"])

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.store import writer
 from pipeline.schemas import UTILITIES, UTILITY_KEY
+from pipeline.store import writer
+from pipeline.store.parts import good_files
 
 
 CaseKey = tuple[str, str, str]  # (pool_id, query_id, context_hash)
@@ -41,7 +42,7 @@ def previous_utilities(folders: list[Path], agent_fp: str, mode: str) -> dict[Ca
     key covers everything a utility depends on (the context hash fixes the memories and their order; the agent
     fingerprint the model and its settings), so a row whose key matches is reused whatever run wrote it. Reads
     every pool at once; the driver reads one pool at a time (`PoolReuse`)."""
-    files = [f for folder in folders for f in sorted((folder / "utilities").glob("*.parquet"))]
+    files = [f for folder in folders for f in good_files(folder, "utilities", UTILITIES)]
     return _read_previous(files, agent_fp, mode, None) if files else {}
 
 
@@ -51,7 +52,7 @@ class PoolReuse:
     The file list is taken once, before this run writes its own parts."""
 
     def __init__(self, folders: list[Path], agent_fp: str, mode: str):
-        self.files = [f for folder in folders for f in sorted((folder / "utilities").glob("*.parquet"))]
+        self.files = [f for folder in folders for f in good_files(folder, "utilities", UTILITIES)]
         self.agent_fp, self.mode = agent_fp, mode
         self._pool: str | None = None
         self._found: dict[CaseKey, Previous] = {}
@@ -66,16 +67,6 @@ class PoolReuse:
         return self._found.pop(key, None)  # each case is admitted once: its rows are not needed again
 
 
-def previous_run_id(out: Path) -> str | None:
-    """The run whose manifest `out` holds (None: no readable manifest)."""
-    import json
-
-    try:
-        return json.loads((out / "manifest.json").read_text()).get("run_id")
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
 class ReuseImport:
     """Copies into `out/utilities` the rows of earlier runs (`--reuse`) whose key this run needs and does not hold yet,
     so the new folder is complete on its own; one pool at a time (`pool`), as the driver reaches it, with the pool
@@ -83,7 +74,7 @@ class ReuseImport:
     construction, before this run writes: rows this run evaluates are never re-read. `copied`: rows copied so far."""
 
     def __init__(self, folders: list[Path], out: Path, agent_fp: str, mode: str):
-        self.files = [f for folder in folders for f in sorted((folder / "utilities").glob("*.parquet"))]
+        self.files = [f for folder in folders for f in good_files(folder, "utilities", UTILITIES)]
         self.own = sorted((out / "utilities").glob("*.parquet"))
         self.out, self.agent_fp, self.mode = out, agent_fp, mode
         self.copied = 0

@@ -6,6 +6,9 @@ another run's rows, and a crash at any point leaves only whole parts behind. `co
 into one part, so after every finished run `utilities/` holds each key exactly once, however many crashes came before.
 Reduction parts are named `part-<attempt>-<sha256>` (`run_prefix`) and streamed as cases finish; a finished run drops
 every other part (`drop_other_parts`). `polars.scan_parquet(folder)` reads each dataset folder directly.
+Every file is fsynced before its rename and its folder after it, so a power loss leaves the old file or the whole new
+one, never a renamed empty file. Every part records the run-folder schema version in its Arrow metadata
+(`pipeline.store.parts` checks it on read).
 """
 
 from __future__ import annotations
@@ -23,17 +26,43 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 
+SCHEMA_VERSION = 1  # of the whole run-folder layout: manifest and parts (`pipeline.store.manifest`)
+VERSION_KEY = b"meclear.schema_version"  # in every part's Arrow schema metadata
+
+
 def _tmp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
 
 
-def _write_atomic(table: pa.Table, path: Path) -> None:
-    tmp = _tmp_name(path)
-    pq.write_table(table, tmp, compression="zstd")
-    os.replace(tmp, path)
+def with_version(table: pa.Table) -> pa.Table:
+    return table.replace_schema_metadata({**(table.schema.metadata or {}), VERSION_KEY: str(SCHEMA_VERSION).encode()})
 
 
-def _digest(path: Path) -> str:
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Rename a finished temporary file to its final name durably: the file's bytes first, the folder's entry after."""
+    _fsync(tmp)
+    os.replace(tmp, final)
+    _fsync(final.parent)
+
+
+def _write_tmp(table: pa.Table, tmp: Path) -> None:
+    """Write `table` to `tmp`; on any failure (a full disk) remove the half file and re-raise."""
+    try:
+        pq.write_table(with_version(table), tmp, compression="zstd")
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def digest(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
@@ -44,10 +73,18 @@ def _digest(path: Path) -> str:
 def write_part(table: pa.Table, folder: Path, prefix: str = "part") -> Path:
     """Write `table` as `<prefix>-<sha256 of its bytes>.parquet` in `folder` (identical content, identical name)."""
     tmp = _tmp_name(folder / prefix)
-    pq.write_table(table, tmp, compression="zstd")
-    final = folder / f"{prefix}-{_digest(tmp)[:24]}.parquet"
-    os.replace(tmp, final)
+    _write_tmp(table, tmp)
+    final = folder / f"{prefix}-{digest(tmp)[:24]}.parquet"
+    publish(tmp, final)
     return final
+
+
+def write_table_atomic(table: pa.Table, path: Path) -> None:
+    """`table` as the one Parquet file `path` (e.g. `curate --out`): whole or not at all, fsynced, versioned."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _tmp_name(path)
+    _write_tmp(table, tmp)
+    publish(tmp, path)
 
 
 def rows_to_table(rows: list[dict] | dict[str, list], schema: pa.Schema) -> pa.Table:
@@ -147,15 +184,30 @@ def compact(folder: Path, schema: pa.Schema, key: Sequence[str], by: str | None 
     The rows are deduplicated one value of `by` at a time (default: the key's first column, the pool), each group
     read with a pushed-down filter and appended as row groups of the one new part: memory is one pool's rows, not the
     folder's (reading 320k rows whole took the 10k-query benchmark's driver from 234 MB to 516 MB)."""
-    import polars as pl
-
     t = time.perf_counter()
     folder.mkdir(parents=True, exist_ok=True)
     for tmp in folder.glob(".*.tmp"):  # a crashed writer's half file
         tmp.unlink(missing_ok=True)
     old = sorted(folder.glob("*.parquet"))
-    by = by or key[0]
     tmp = _tmp_name(folder / "part")
+    try:
+        before, rows = _compact_into(tmp, old, with_version(schema.empty_table()).schema, key, by or key[0])
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    new = folder / f"part-{digest(tmp)[:24]}.parquet"
+    publish(tmp, new)
+    for p in old:
+        if p != new:
+            p.unlink(missing_ok=True)
+    _fsync(folder)
+    return {"rows": rows, "dropped": before - rows, "part": new.name, "seconds": round(time.perf_counter() - t, 3)}
+
+
+def _compact_into(tmp: Path, old: list[Path], schema: pa.Schema, key: Sequence[str], by: str) -> tuple[int, int]:
+    """Write the deduplicated rows of parts `old` to `tmp`, one `by` group at a time; (rows before, rows after)."""
+    import polars as pl
+
     before = rows = 0
     with pq.ParquetWriter(tmp, schema, compression="zstd") as out:
         groups = pl.scan_parquet(old).select(pl.col(by).unique()).collect()[by].sort().to_list() if old else []
@@ -167,12 +219,7 @@ def compact(folder: Path, schema: pa.Schema, key: Sequence[str], by: str | None 
             out.write_table(df.to_arrow().cast(schema))
         if not groups:
             out.write_table(schema.empty_table())
-    new = folder / f"part-{_digest(tmp)[:24]}.parquet"
-    os.replace(tmp, new)
-    for p in old:
-        if p != new:
-            p.unlink(missing_ok=True)
-    return {"rows": rows, "dropped": before - rows, "part": new.name, "seconds": round(time.perf_counter() - t, 3)}
+    return before, rows
 
 
 def recover_swaps(out: Path, names: Sequence[str]) -> None:
@@ -187,6 +234,15 @@ def recover_swaps(out: Path, names: Sequence[str]) -> None:
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
+    write_bytes_atomic(path, json.dumps(data, indent=2, sort_keys=True, default=str).encode())
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """`data` at `path`, whole or not at all (a full disk leaves the old file and no temporary one)."""
     tmp = _tmp_name(path)
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str))
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    publish(tmp, path)

@@ -1,0 +1,115 @@
+"""Parquet parts verified on read: the SHA-256 in a part's name against its bytes, its schema against this meclear's.
+
+A part is `part-<sha256[:24]>.parquet` (utilities) or `part-<attempt>-<sha256[:24]>.parquet` (reductions), named by
+the digest of its bytes (`pipeline.store.writer`), so a truncated, zero-length or overwritten part is found by hashing
+it. What is done with a bad part depends on whose folder it is:
+- the run's own folder (`sweep`, under its lock, before any evaluation): moved to `quarantine/<dataset>/`, one warning
+  line naming it; the coalitions it held are not in `utilities/` any more, so the run evaluates them again;
+- a `--reuse` folder (`good_files`): an input, never written: the part is skipped with one warning line, and its
+  coalitions are evaluated again;
+- a run `report` or `curate` reads (`read_dataset`): one line naming it, exit 2 (a rerun of the audit sets it aside).
+A part of another schema version (recorded in its metadata, or a missing or retyped column) is one line naming the
+file and both versions, exit 2, before any evaluation: it is whole, so it is not quarantined.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.errors import InputError
+from pipeline.store.manifest import SchemaVersionError
+from pipeline.store.writer import SCHEMA_VERSION, VERSION_KEY, digest
+
+log = logging.getLogger(__name__)
+
+QUARANTINE = "quarantine"
+_NAME = re.compile(r"^part-(?:[0-9a-f]+-)?([0-9a-f]{24})\.parquet$")
+
+
+def damage(path: Path) -> str | None:
+    """Why part `path` cannot be read as written (None: its bytes hash to its name and its footer reads)."""
+    m = _NAME.match(path.name)
+    if m is None:
+        return "its name carries no digest (not a part meclear wrote)"
+    size = path.stat().st_size
+    if size == 0:
+        return "zero-length"
+    if digest(path)[:24] != m.group(1):
+        return f"its bytes do not hash to its name ({size} bytes: truncated or overwritten)"
+    try:
+        pq.read_schema(path)
+    except (pa.ArrowException, OSError) as exc:
+        return f"not readable Parquet ({' '.join(str(exc).split())[:80]})"
+    return None
+
+
+def check_schema(path: Path, schema: pa.Schema) -> None:
+    """One line (SchemaVersionError) if part `path` is not of this meclear's schema for its dataset."""
+    got = pq.read_schema(path)
+    raw = (got.metadata or {}).get(VERSION_KEY)
+    version = raw.decode() if raw else "unrecorded"
+    if raw and version != str(SCHEMA_VERSION):
+        raise SchemaVersionError(f"{path}: schema version {version}; this meclear reads and writes version "
+                                 f"{SCHEMA_VERSION}; use the meclear that wrote it, or another folder")
+    for f in schema:
+        if f.name not in got.names:
+            raise SchemaVersionError(f"{path}: no column '{f.name}' (schema version {version}; this meclear reads "
+                                     f"version {SCHEMA_VERSION})")
+        if not got.field(f.name).type.equals(f.type):
+            raise SchemaVersionError(f"{path}: column '{f.name}' is {got.field(f.name).type}, expected {f.type} "
+                                     f"(schema version {version}; this meclear reads version {SCHEMA_VERSION})")
+
+
+def sweep(out: Path, schemas: dict[str, pa.Schema]) -> list[Path]:
+    """Verify every part of run folder `out` (its own, under its lock): move damaged ones to `quarantine/<dataset>/`
+    with one warning each, refuse one of another schema version. Returns the quarantined paths (new locations)."""
+    moved = []
+    for name, schema in schemas.items():
+        for p in sorted((out / name).glob("*.parquet")) if (out / name).is_dir() else []:
+            why = damage(p)
+            if why is None:
+                check_schema(p, schema)
+                continue
+            dest = out / QUARANTINE / name / p.name
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(p, dest)
+            log.warning("%s: damaged part (%s) moved to %s; what it held is evaluated again", p, why, dest)
+            moved.append(dest)
+    return moved
+
+
+def good_files(folder: Path, name: str, schema: pa.Schema) -> list[Path]:
+    """The verified parts of dataset `name` in a folder this run only reads (`--reuse`): a damaged part is skipped
+    with one warning (what it held is evaluated again); one of another schema version is refused."""
+    good = []
+    for p in sorted((folder / name).glob("*.parquet")) if (folder / name).is_dir() else []:
+        why = damage(p)
+        if why is not None:
+            log.warning("%s: damaged part (%s) skipped; what it held is evaluated again", p, why)
+            continue
+        check_schema(p, schema)
+        good.append(p)
+    return good
+
+
+def read_dataset(folder: Path, name: str, schema: pa.Schema):
+    """Dataset `name` of a run `report` or `curate` reads, as a polars DataFrame: every part verified and checked for
+    every column of `schema`; a damaged part or a missing column is one line naming the file (and the column)."""
+    import polars as pl
+
+    files = sorted((folder / name).glob("*.parquet"))
+    if not files:
+        raise InputError(folder / name, "", None, "holds no Parquet files; the run is incomplete")
+    for p in files:
+        why = damage(p)
+        if why is not None:
+            raise InputError(p, "", None, f"damaged part ({why}); rerun `meclear audit --out {folder}` to set it "
+                                          "aside and evaluate it again")
+        check_schema(p, schema)
+    return pl.read_parquet(files)
