@@ -13,10 +13,8 @@ import logging
 import sys
 import time
 
-from pipeline.cli import print_summary, safe
-from pipeline import signals
-from pipeline.errors import EXIT_CASE_ERRORS, EXIT_DISK_FULL, MeClearError
-from pipeline.store.outdir import disk_full
+from pipeline.cli import print_summary, run_command
+from pipeline.errors import EXIT_CASE_ERRORS
 from pipeline.audit import audit, load_job_config
 
 
@@ -28,26 +26,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-progress", action="store_true", help="no progress output")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        with signals.handled():  # `ray job stop` sends SIGTERM: the same cleanup and one line as Ctrl-C
-            job = load_job_config(args.config)
-            t = time.perf_counter()
-            result = audit(job.inputs, job.audit, job.out, progress=not args.no_progress, reuse=args.reuse)
-    except MeClearError as exc:
-        print(f"nightly_audit: error: {safe(exc)}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt as exc:
-        line, code = signals.stopped_line("nightly_audit", exc)
-        print(line, file=sys.stderr)
-        return code
-    except OSError as exc:
-        line = disk_full(exc)
-        if line is None:
-            raise
-        print(f"nightly_audit: error: {safe(line)}", file=sys.stderr)
-        return EXIT_DISK_FULL
-    print_summary(result, time.perf_counter() - t)
-    return EXIT_CASE_ERRORS if result.failed else 0
+
+    def body() -> int:
+        job = load_job_config(args.config)
+        t = time.perf_counter()
+        result = audit(job.inputs, job.audit, job.out, progress=not args.no_progress, reuse=args.reuse)
+        print_summary(result, time.perf_counter() - t)
+        return EXIT_CASE_ERRORS if result.failed else 0
+
+    # `ray job stop` sends SIGTERM: the same cleanup and one line as Ctrl-C, exit 143
+    return run_command(body, "nightly_audit")
 
 
 if __name__ == "__main__":

@@ -207,23 +207,29 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    return run_command(lambda: args.func(args), "meclear")
+
+
+def run_command(body, prog: str) -> int:
+    """Run a command's `body` as the CLI and the jobs do: its exit code; a MeClearError, a signal (Ctrl-C, SIGTERM,
+    SIGHUP: the finally blocks below have shut the agents down and released the lock) or a full disk as one line
+    `<prog>: ...` and its exit code (pipeline.errors)."""
     with signals.handled():  # SIGTERM and SIGHUP stop a run the way Ctrl-C does
         try:
-            return args.func(args)
+            return body()
         except MeClearError as exc:
-            print(f"meclear: error: {safe(exc)}", file=sys.stderr)
+            print(f"{prog}: error: {safe(exc)}", file=sys.stderr)
             return exc.exit_code
-        except KeyboardInterrupt as exc:  # pipeline.audit's finally blocks have shut the agents down, released the lock
-            line, code = signals.stopped_line("meclear", exc)
+        except KeyboardInterrupt as exc:
+            line, code = signals.stopped_line(prog, exc)
             print(line, file=sys.stderr)
             return code
         except OSError as exc:
             line = disk_full(exc)
             if line is None:
                 raise
-            print(f"meclear: error: {safe(line)}", file=sys.stderr)
+            print(f"{prog}: error: {safe(line)}", file=sys.stderr)
             return EXIT_DISK_FULL
-
 
 if __name__ == "__main__":
     sys.exit(main())

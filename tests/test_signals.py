@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from data_paths import LOCOMO
+from test_llm_startup import _alive
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,17 +57,6 @@ def test_sigterm_and_sighup_close_the_agent_release_the_lock_and_exit_128_plus_n
     assert "Traceback" not in err
     assert marker.read_text() == "closed" and not (out / ".meclear.lock").exists()
     assert json.loads((out / "manifest.json").read_text())["status"] == "running"  # never mistaken for complete
-
-
-def _alive(pids: set[int]) -> list[int]:
-    left = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                left.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return left
 
 
 @pytest.mark.skipif(not LOCOMO.exists(), reason="LoCoMo is not beside the checkout")
