@@ -12,7 +12,6 @@ import shutil
 from pathlib import Path
 
 import polars as pl
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
