@@ -229,3 +229,13 @@ def test_a_full_disk_is_one_line_leaves_no_half_file_and_the_rerun_resumes(tmp_p
     assert not (out / ".meclear.lock").exists()
     monkeypatch.setattr(writer.pq, "write_table", real)
     assert _audit(out) == 0
+
+
+def test_a_finished_manifest_missing_a_field_is_one_line_naming_it(tmp_path, capsys):
+    out = tmp_path / "o"
+    assert _audit(out) == 0
+    m = json.loads((out / "manifest.json").read_text())
+    del m["config"]["tau"]
+    (out / "manifest.json").write_text(json.dumps(m))
+    assert main(["report", str(out), "--figures", "none"]) == 2
+    _one_line(capsys, "manifest.json", "config.tau")

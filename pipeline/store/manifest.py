@@ -106,4 +106,8 @@ def finished(folder: str | Path) -> Manifest:
     if not m.finished:
         raise InputError(path(folder), "", None, "the run has not finished (status 'running': stopped or still "
                                                  f"running); rerun `meclear audit --out {folder}` to complete it")
+    missing = [k for k in ("agent", "config") if not getattr(m, k)]
+    missing += [f"config.{k}" for k in ("utility", "tau") if m.config and k not in m.config]
+    if missing:
+        raise InputError(path(folder), "", missing[0], "is missing from a finished run's manifest")
     return m
