@@ -85,3 +85,95 @@ def test_sigterm_under_ray_leaves_no_stack_dump_and_no_ray_process(tmp_path):
         time.sleep(0.5)
     left = [(pid, psutil.Process(pid).cmdline()[:2]) for pid in _alive(tree)]
     assert not left, f"Ray processes left 30 s after SIGTERM: {left}"
+
+
+def _free_ports(n: int) -> list[int]:
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _stop_head(temp_dir: str) -> None:
+    """Stop only this test's head: the processes whose command line names its private temp dir, and their children
+    (`ray stop` would stop every Ray on the machine)."""
+    procs = [p for p in psutil.process_iter(["cmdline"]) if p.pid != os.getpid()
+             and any(temp_dir in a for a in (p.info["cmdline"] or []))]
+    tree = list({*procs, *(c for p in procs for c in p.children(recursive=True))})
+    for p in tree:
+        try:
+            p.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(tree, timeout=10)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+
+
+@pytest.mark.ray
+@pytest.mark.skipif(not LOCOMO.exists(), reason="LoCoMo is not beside the checkout")
+def test_ray_job_stop_of_an_audit_on_a_ray_start_head(tmp_path):
+    """`ray job stop` (SIGTERM to the entrypoint, SIGKILL 3 s later): one line, no C++ dump, the lock released, and
+    neither the entrypoint nor its actors alive 30 s later. A private head: loopback, own temp dir and ports."""
+    ray_bin = str(Path(sys.executable).with_name("ray"))
+    temp_dir = tempfile.mkdtemp(prefix="msj-", dir="/tmp")
+    gcs, dash, agent, client = _free_ports(4)
+    env = os.environ | {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    address = f"http://127.0.0.1:{dash}"
+    out = tmp_path / "o"
+    try:
+        subprocess.run([ray_bin, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}",
+                        "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--include-dashboard=true",
+                        f"--dashboard-agent-listen-port={agent}", f"--ray-client-server-port={client}",
+                        f"--temp-dir={temp_dir}", "--num-cpus=2", "--disable-usage-stats"],
+                       env=env, check=True, capture_output=True, timeout=180)
+        runtime_env = json.dumps({"env_vars": {"PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}})
+        job = ["--address", address]
+        deadline = time.monotonic() + 120
+        while True:  # the job agent comes up a little after `ray start` returns
+            sub = subprocess.run([ray_bin, "job", "submit", *job, "--no-wait", "--submission-id", "stop-me",
+                                  "--runtime-env-json", runtime_env, "--", sys.executable, "-m", "pipeline.cli",
+                                  "audit", "--out", str(out), "--executor", "ray", "--actors", "1", "--dense", "off",
+                                  "--no-progress", "--locomo", str(LOCOMO)], env=env, capture_output=True, text=True)
+            if sub.returncode == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(3)
+        assert sub.returncode == 0, sub.stderr[-2000:]
+        deadline = time.monotonic() + 180
+        while not (out / "manifest.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        time.sleep(2.0)
+        assert (out / ".meclear.lock").exists(), "the job is not running"
+        job_tree = set()
+        for p in psutil.process_iter(["cmdline"]):
+            if f"--out {out}" in " ".join(p.info["cmdline"] or []):
+                job_tree |= {p.pid, *(c.pid for c in p.children(recursive=True))}
+            if "AgentWorker" in (p.info["cmdline"] or [""])[0]:
+                try:
+                    if temp_dir in " ".join(p.parent().cmdline()):  # an actor of this head's raylet
+                        job_tree.add(p.pid)
+                except psutil.Error:
+                    pass
+        assert job_tree
+        subprocess.run([ray_bin, "job", "stop", *job, "stop-me"], env=env, check=True, capture_output=True,
+                       timeout=60)
+        logs = subprocess.run([ray_bin, "job", "logs", *job, "stop-me"], env=env, capture_output=True, text=True).stdout
+        assert logs.strip().splitlines()[-1] == "meclear: stopped by SIGTERM; agents shut down, lock released", logs
+        for dump in ("*** SIG", "Stack trace", "Traceback"):
+            assert dump not in logs, logs[-3000:]
+        assert not (out / ".meclear.lock").exists()
+        deadline = time.monotonic() + 30
+        while _alive(job_tree) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not _alive(job_tree), f"processes of the stopped job alive 30 s later: {_alive(job_tree)}"
+    finally:
+        _stop_head(temp_dir)
