@@ -76,15 +76,20 @@ def test_sigterm_under_ray_leaves_no_stack_dump_and_no_ray_process(tmp_path):
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err[-3000:]
-    assert err.strip().splitlines()[-1] == "meclear: stopped by SIGTERM; agents shut down, lock released", err[-3000:]
+    _assert_stopped_cleanly(err, out, tree)
+
+
+def _assert_stopped_cleanly(log: str, out: Path, tree: set[int]) -> None:
+    """One line last, no C++ stack dump or traceback, the lock released, none of `tree` alive 30 s later."""
+    assert log.strip().splitlines()[-1] == "meclear: stopped by SIGTERM; agents shut down, lock released", log[-3000:]
     for dump in ("*** SIG", "Stack trace", "Traceback"):
-        assert dump not in err, err[-3000:]
+        assert dump not in log, log[-3000:]
     assert not (out / ".meclear.lock").exists()
     deadline = time.monotonic() + 30
     while _alive(tree) and time.monotonic() < deadline:
         time.sleep(0.5)
     left = [(pid, psutil.Process(pid).cmdline()[:2]) for pid in _alive(tree)]
-    assert not left, f"Ray processes left 30 s after SIGTERM: {left}"
+    assert not left, f"processes left 30 s after SIGTERM: {left}"
 
 
 def _free_ports(n: int) -> list[int]:
@@ -167,13 +172,6 @@ def test_ray_job_stop_of_an_audit_on_a_ray_start_head(tmp_path):
         subprocess.run([ray_bin, "job", "stop", *job, "stop-me"], env=env, check=True, capture_output=True,
                        timeout=60)
         logs = subprocess.run([ray_bin, "job", "logs", *job, "stop-me"], env=env, capture_output=True, text=True).stdout
-        assert logs.strip().splitlines()[-1] == "meclear: stopped by SIGTERM; agents shut down, lock released", logs
-        for dump in ("*** SIG", "Stack trace", "Traceback"):
-            assert dump not in logs, logs[-3000:]
-        assert not (out / ".meclear.lock").exists()
-        deadline = time.monotonic() + 30
-        while _alive(job_tree) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert not _alive(job_tree), f"processes of the stopped job alive 30 s later: {_alive(job_tree)}"
+        _assert_stopped_cleanly(logs, out, job_tree)
     finally:
         _stop_head(temp_dir)
