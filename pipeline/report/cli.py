@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from pipeline.errors import InputError
+from pipeline.text import safe
 
 
 def add_parsers(sub) -> None:
@@ -47,7 +48,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         what = f"audit report, {stats['queries']} queries, {stats['figures']} query figures"
     out = Path(args.out) if args.out else run / "report.html"
     _write_text_atomic(out, text)
-    print(f"meclear report: {what} -> {out} ({len(text.encode()) / 1e6:.1f} MB, {time.perf_counter() - t:.1f} s)")
+    print(f"meclear report: {safe(what)} -> {safe(out)} ({len(text.encode()) / 1e6:.1f} MB, {time.perf_counter() - t:.1f} s)")
     return 0
 
 
@@ -62,7 +63,7 @@ def cmd_curate(args: argparse.Namespace) -> int:
     table = curate(args.run_dirs)
     write_curation(table, args.out)
     print_table(table, args.top)
-    print(f"\n  {table.num_rows} memories harmful at least once -> {args.out} (a proposal; the memory bank is untouched)")
+    print(f"\n  {table.num_rows} memories harmful at least once -> {safe(args.out)} (a proposal; the memory bank is untouched)")
     return 0
 
 
