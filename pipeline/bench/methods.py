@@ -58,8 +58,8 @@ class MethodConfig:
     filter_threshold: float = 0.5  # relevance filter: drop memories with fewer than this share of question words
 
     def __post_init__(self) -> None:
-        for name in ("tau", "kappa"):  # the audit's rules (pipeline.settings.SETTING_RULES)
-            check_setting(name, getattr(self, name), "method config")
+        check_setting("tau", self.tau, "method config")  # the audit's rules (pipeline.settings.SETTING_RULES)
+        check_setting("kappa", self.kappa, "method config")
         check_number(self.filter_threshold, "method config", "filter_threshold")
         for name in ("contextcite_masks", "proxyspex_masks"):
             v = getattr(self, name)
