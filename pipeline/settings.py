@@ -173,7 +173,8 @@ class AuditConfig(RunSettings):
         check(isinstance(self.adaptive_round, int) and self.adaptive_round >= 2
               and (self.estimator != "adaptive" or self.adaptive_round % 2 == 0), w,
               f"adaptive_round={self.adaptive_round!r}; must be an even integer >= 2 (adaptive draws antithetic pairs)")
-        check(isinstance(self.adaptive_z, (int, float)) and self.adaptive_z > 0, w, f"adaptive_z={self.adaptive_z!r}; must be > 0")
+        check_number(self.adaptive_z, w, "adaptive_z")  # finite: z = inf would never stop a case before the cap
+        check(self.adaptive_z > 0, w, f"adaptive_z={self.adaptive_z!r}; must be > 0")
         check(self.cpus_per_actor > 0, w, f"cpus_per_actor={self.cpus_per_actor!r}; must be > 0")
         check(self.batch_size >= 1, w, f"batch_size={self.batch_size!r}; must be >= 1")
         check(self.embed_actors >= 0, w, f"embed_actors={self.embed_actors!r}; must be >= 0")

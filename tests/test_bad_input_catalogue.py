@@ -164,6 +164,7 @@ CASES |= {
     "kappa_infinite": (lambda t: ["--kappa", "inf"], "kappa=inf; must be a finite number"),
     "gpus_per_actor_infinite": (lambda t: ["--gpus-per-actor", "inf"], "gpus_per_actor=inf; must be a finite number"),
     "permutations_beyond_the_cap": (lambda t: ["--permutations", "1000000"], "permutations=1000000; allowed 0..10,000"),
+    "adaptive_z_infinite": (lambda t: ["--estimator", "adaptive", "--adaptive-z", "inf"], "adaptive_z=inf; must be a finite number"),
     "permutations_negative": (lambda t: ["--permutations", "-2"], "permutations=-2; allowed 0..10,000"),
     "agent_option_infinite": (lambda t: ["--agent-option", "beta=.inf"], "beta=inf; must be a finite number"),
     "agent_option_nan": (lambda t: ["--agent-option", "beta=.nan"], "beta=nan; must be a finite number"),
