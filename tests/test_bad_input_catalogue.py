@@ -180,6 +180,8 @@ CASES |= {
                                            str(jsonl(t / "in" / "q.jsonl", QRY))], "mem.jsonl: is not a regular file"),
     "fifo_inside_a_queries_folder": (lambda t: ["--memories", str(jsonl(t / "in" / "mem.jsonl", MEM)), "--queries",
                                                 str(_fifo(t, "qs/q.jsonl").parent)], "q.jsonl: is not a regular file"),
+    "folder_named_like_an_input_file": (lambda t: ["--memories", str(jsonl(t / "in" / "mem" / "sub.jsonl" / "x.jsonl", MEM).parent.parent),
+                                                   "--queries", str(jsonl(t / "in" / "q.jsonl", QRY))], "sub.jsonl: is a folder; give a file"),
     "locomo_file_is_a_fifo": (lambda t: ["--locomo", str(_fifo(t, "locomo.json"))], "locomo.json: is not a regular file"),
     "mem0_file_is_a_fifo": (lambda t: ["--mem0", str(_fifo(t, "export.json")), "--queries",
                                        str(jsonl(t / "in" / "q.jsonl", [Q_MEM0]))], "export.json: is not a regular file"),

@@ -58,7 +58,9 @@ def regular_file(path: Path) -> Path:
     """`path` if it is a regular file (or a link to one): a FIFO, socket or device would block or never end."""
     if not path.exists():
         raise InputError(path, "", None, "does not exist")
-    if not path.is_file() and not path.is_dir():
+    if path.is_dir():  # a folder whose name ends like an input file, inside a folder of inputs
+        raise InputError(path, "", None, "is a folder; give a file")
+    if not path.is_file():
         raise InputError(path, "", None, "is not a regular file (a FIFO, socket or device); give a file")
     return path
 
