@@ -79,8 +79,8 @@ class InputSpec:
     def load(self) -> tuple[dict[str, Pool], list[Query], list[str]]:
         """(pools, queries, files read). Raises InputError on the first malformed record."""
         if self.locomo:
-            pools, queries = load_locomo(self.locomo, self.locomo_options, conversations=list(self.conversations) or None,
-                                         max_chars=self.max_memory_chars)
+            pools, queries = load_locomo(self.locomo, self.locomo_options, max_chars=self.max_memory_chars,
+                                         conversations=list(self.conversations) or None)
             files = [self.locomo]
         elif self.mem0:
             from pipeline.io.mem0 import load_mem0

@@ -59,12 +59,16 @@ def _holders(name: str, value):
     return out
 
 
+def _name(func: ast.expr) -> str:
+    return getattr(func, "id", getattr(func, "attr", ""))
+
+
 def _calls() -> set[tuple[str, str]]:
     """(module, setting) of every `check_setting("<setting>", ...)` call in the package."""
     found = set()
     for path in PACKAGE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "check_setting":
+            if isinstance(node, ast.Call) and _name(node.func) == "check_setting":
                 arg = node.args[0]
                 assert isinstance(arg, ast.Constant), f"{path}: check_setting needs the setting's name as a literal"
                 found.add((str(path.relative_to(PACKAGE)), arg.value))
@@ -85,7 +89,7 @@ def test_every_check_of_a_shared_setting_is_a_call_of_its_rule():
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.Call):
                 continue
-            func = getattr(node.func, "id", getattr(node.func, "attr", ""))
+            func = _name(node.func)
             inside_rules = path.name == "settings.py"  # the rules themselves (check_tau calls check_number)
             direct = (str(path.relative_to(PACKAGE)), func) in DIRECT
             assert inside_rules or direct or func not in RULE_FUNCTIONS, f"{path}:{node.lineno} calls {func} directly"

@@ -31,14 +31,14 @@ def test_safe_escapes_controls_and_bidi_characters():
 
 @pytest.fixture(scope="module")
 def crafted_run(tmp_path_factory) -> tuple[Path, str, str]:
-    """An audit of the sample pool in which every pool id, memory id and text carries the crafted sequence, plus an unknown
-    field whose name carries it too (the loader warns about it). Returns (folder, memories file, queries file)."""
+    """The sample pool in which every pool id, memory id and text carries the crafted sequence, plus an unknown field
+    whose name carries it too (the loader warns about it). Returns (folder, memories file, queries file)."""
     t = tmp_path_factory.mktemp("crafted")
     mem, queries = sample_paths()
     rows = [json.loads(line) for line in mem.read_text().splitlines() if line.strip()]
     crafted = t / f"pool{CRAFT}.jsonl"  # the file name reaches the warning and the summary
-    crafted.write_text("".join(json.dumps({**r, "pool_id": r["pool_id"] + CRAFT, "memory_id": r["memory_id"] + CRAFT, "text": CRAFT + r["text"],
-                                           f"note{CRAFT}": 1}) + "\n" for r in rows))
+    crafted.write_text("".join(json.dumps({**r, "pool_id": r["pool_id"] + CRAFT, "memory_id": r["memory_id"] + CRAFT,
+                                           "text": CRAFT + r["text"], f"note{CRAFT}": 1}) + "\n" for r in rows))
     q = t / "queries.jsonl"
     q.write_text("".join(json.dumps({**(r := json.loads(line)), "pool_id": r["pool_id"] + CRAFT}) + "\n"
                          for line in queries.read_text().splitlines() if line.strip()))

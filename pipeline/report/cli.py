@@ -48,7 +48,8 @@ def cmd_report(args: argparse.Namespace) -> int:
         what = f"audit report, {stats['queries']} queries, {stats['figures']} query figures"
     out = Path(args.out) if args.out else run / "report.html"
     _write_text_atomic(out, text)
-    print(f"meclear report: {safe(what)} -> {safe(out)} ({len(text.encode()) / 1e6:.1f} MB, {time.perf_counter() - t:.1f} s)")
+    print(f"meclear report: {safe(what)} -> {safe(out)} "
+          f"({len(text.encode()) / 1e6:.1f} MB, {time.perf_counter() - t:.1f} s)")
     return 0
 
 
@@ -63,7 +64,8 @@ def cmd_curate(args: argparse.Namespace) -> int:
     table = curate(args.run_dirs)
     write_curation(table, args.out)
     print_table(table, args.top)
-    print(f"\n  {table.num_rows} memories harmful at least once -> {safe(args.out)} (a proposal; the memory bank is untouched)")
+    print(f"\n  {table.num_rows} memories harmful at least once -> {safe(args.out)} "
+          "(a proposal; the memory bank is untouched)")
     return 0
 
 
