@@ -82,8 +82,9 @@ def check_seed(value: object, where: str) -> None:
 
 
 # One rule per setting, validity included: every config that holds one of these settings (the audit's `AuditConfig`,
-# the benchmark's `EvalConfig` and `MethodConfig`) checks it through `check_setting`, nowhere else
-# (tests/test_setting_rules.py lists every declaration and every call). top_k's rule lives with retrieval, which owns K.
+# the benchmark's `EvalConfig`, `MethodConfig`, `BuildConfig` and `PoolIndex`) checks it through `check_setting`,
+# nowhere else (tests/test_setting_rules.py lists every declaration and every call). top_k's rule is declared by
+# retrieval, which owns K and, sitting below this module, calls it directly.
 # Hook for the estimators branch's `--budget`: declare `check_budget` here, add "budget" below, and call
 # `check_setting("budget", ...)` from each config that holds a budget; the test then asks for the new name.
 SETTING_RULES: dict[str, Callable[..., None]] = {
