@@ -18,6 +18,7 @@ from pathlib import Path
 
 from pipeline.errors import MeClearError
 from pipeline.perf.throughput import TINY_MODEL, AgentBenchConfig, format_report, run_benchmark
+from pipeline.text import safe
 from pipeline.validation import key_values
 
 
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         report = run_benchmark(config)
     except MeClearError as exc:
-        print(f"bench_agents: error: {exc}", file=sys.stderr)
+        print(f"bench_agents: error: {safe(exc)}", file=sys.stderr)
         return exc.exit_code
     Path(args.out).write_text(json.dumps(report, indent=2, default=str))
     print(format_report(report))

@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.bench.run import EvalConfig, evaluate
     from pipeline.validation import from_mapping
     from pipeline.errors import ConfigError, MeClearError
+    from pipeline.text import safe
 
     try:
         if rest:
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
             config = from_mapping(EvalConfig, yaml.safe_load(fh) or {}, f"config {known.config}")
         summary = evaluate(config, known.out, progress=not known.no_progress)
     except MeClearError as exc:
-        print(f"fi_locomo: error: {exc}", file=sys.stderr)
+        print(f"fi_locomo: error: {safe(exc)}", file=sys.stderr)
         return exc.exit_code
     print(f"fi_locomo: {summary['n_cases']} cases, run {summary['run_id']}, outputs in {known.out}")
     return 0

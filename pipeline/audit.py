@@ -24,7 +24,7 @@ from pipeline.io.loaders import input_files, load_pools, load_queries
 from pipeline.io.locomo import load_locomo
 from pipeline.store.lock import OutLock
 from pipeline.store.outdir import check_out
-from pipeline.io.records import MAX_MEMORY_CHARS, Pool, Query
+from pipeline.io.records import MAX_MEMORY_CHARS, MAX_OPTIONS, Pool, Query
 from pipeline.pools import LocalPool, WorkerPool
 from pipeline.settings import AuditConfig
 from pipeline.validation import check, from_mapping
@@ -70,7 +70,8 @@ class InputSpec:
         check(bool(self.memories or self.mem0) == bool(self.queries), w,
               "memories (or mem0) and queries must be given together")
         check(self.max_queries >= 0, w, f"max_queries={self.max_queries}; must be >= 0")
-        check(self.locomo_options == 0 or self.locomo_options >= 2, w, "locomo_options must be 0 (open answers) or >= 2")
+        check(self.locomo_options == 0 or 2 <= self.locomo_options <= MAX_OPTIONS, w,
+              f"locomo_options={self.locomo_options}; must be 0 (open answers) or 2..{MAX_OPTIONS}")
 
     @property
     def is_sample(self) -> bool:
@@ -79,12 +80,13 @@ class InputSpec:
     def load(self) -> tuple[dict[str, Pool], list[Query], list[str]]:
         """(pools, queries, files read). Raises InputError on the first malformed record."""
         if self.locomo:
-            pools, queries = load_locomo(self.locomo, self.locomo_options, conversations=list(self.conversations) or None)
+            pools, queries = load_locomo(self.locomo, self.locomo_options, max_chars=self.max_memory_chars,
+                                         conversations=list(self.conversations) or None)
             files = [self.locomo]
         elif self.mem0:
             from pipeline.io.mem0 import load_mem0
 
-            pools = load_mem0(self.mem0)
+            pools = load_mem0(self.mem0, self.max_memory_chars)
             queries = load_queries(self.queries, pools)
             files = [*self.mem0, *(str(f) for p in self.queries for f in input_files(p))]
         else:
@@ -166,8 +168,13 @@ def load_job_config(path: str | Path) -> JobConfig:
 
     import yaml
 
+    p = Path(path)
+    if p.exists() and not p.is_file() and not p.is_dir():  # reading a FIFO would block for good
+        raise ConfigError(f"job config {path}: is not a regular file (a FIFO, socket or device); give the YAML file")
     try:
-        raw = yaml.safe_load(Path(path).read_bytes().decode("utf-8"))
+        raw = yaml.safe_load(p.read_bytes().decode("utf-8"))
+    except RecursionError:
+        raise ConfigError(f"job config {path}: is nested too deeply to read") from None
     except FileNotFoundError:
         raise ConfigError(f"job config {path}: does not exist") from None
     except IsADirectoryError:

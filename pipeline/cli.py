@@ -202,10 +202,19 @@ def _print_clearances(summary, limit: int = 12) -> None:
         print(f"  answered correctly already, clearance raised the utility: {summary.improved} (see clearances/)")
 
 
+def safe_log_record(record: logging.LogRecord) -> bool:
+    """A log filter: the message (which may quote ids, field names or paths from the inputs) printed through `safe`."""
+    record.msg, record.args = safe(record.getMessage()), None
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.captureWarnings(True)  # library warnings (they may quote input text) reach the console through the filter
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(safe_log_record)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     return run_command(lambda: args.func(args), "meclear")
 

@@ -14,6 +14,7 @@ import pyarrow as pa
 
 from pipeline.report.data import load_run, memory_texts
 from pipeline.store import writer
+from pipeline.text import safe
 
 CURATION = pa.schema(
     [
@@ -105,8 +106,8 @@ def write_curation(table: pa.Table, out: str | Path) -> None:
 def print_table(table: pa.Table, top: int = 15) -> None:
     print("  rank  pool/memory                    harmful/retrieved  mean phi  worst phi  cleared  subst  joint  text")
     for r in table.slice(0, top).to_pylist():
-        name = f"{r['pool_id']}/{r['memory_id']}"
-        text = (r["text"] or "").replace("\n", " ")
+        name = safe(f"{r['pool_id']}/{r['memory_id']}")  # ids and text come from the memory bank: no raw escapes
+        text = safe((r["text"] or "").replace("\n", " "))
         print(f"  {r['rank']:>4}  {name[:30]:<30} {r['harmful_queries']:>7}/{r['retrieved_queries']:<9} "
               f"{r['mean_shapley']:>8.3f}  {r['worst_shapley']:>9.3f}  {r['cleared']:>7}  {r['substitution_pairs']:>5}"
               f"  {r['joint_interference_pairs']:>5}  {text[:40]}")

@@ -11,6 +11,7 @@ import time
 from pipeline.errors import ConfigError
 from pipeline.retrieval import DENSE_MODES
 from pipeline.settings import field_default
+from pipeline.text import safe
 
 
 def _csv(value: str) -> list[str]:
@@ -91,7 +92,7 @@ def cmd_eval(args: argparse.Namespace, agent_options) -> int:
     from pipeline.bench.run import evaluate
 
     config = config_from_args(args, agent_options)
-    print(f"meclear eval: {args.locomo}; agent={config.agent}, methods={','.join(config.methods)}, "
+    print(f"meclear eval: {safe(args.locomo)}; agent={config.agent}, methods={','.join(config.methods)}, "
           f"utility={','.join(config.utility)}, executor={config.executor}")
     t = time.perf_counter()
     summary = evaluate(config, args.out, progress=not args.no_progress)
@@ -117,4 +118,4 @@ def print_headline(summary: dict, wall: float, out: str) -> None:
             print(f"  {name:<22} {100 * o['recall_at_m']['value']:6.1f}%   "
                   f"{100 * o['recall_at_m_thresholded']['value']:6.1f}%   {cov:>14}%   "
                   f"{100 * o['task_recovery']['value']:6.1f}%  {rr:>14}  {o['evaluations_per_case']['value']:8.1f}")
-    print(f"\n  wall time {wall:.1f} s; outputs in {out}: cases.parquet summary.json summary.md figure.png")
+    print(f"\n  wall time {wall:.1f} s; outputs in {safe(out)}: cases.parquet summary.json summary.md figure.png")

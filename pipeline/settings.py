@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from pipeline.agents import AGENTS, AgentSpec
 from pipeline.agents.utility import UTILITY_MODES
@@ -46,6 +46,62 @@ def check_number(value: object, where: str, name: str, low: float = 0.0) -> None
     check(value >= low, where, f"{name}={value!r}; must be >= {low:g}")  # type: ignore[operator]
 
 
+# A typo in --permutations (an extra zero or three) must not start an unbounded night: a case costs about L x K agent
+# calls (200,000 at L=10,000, K=20); the adaptive estimator reaches its precision far below this cap.
+MAX_PERMUTATIONS = 10_000
+MAX_SEED = 2**63 - 1  # a seed is stored as a signed 64-bit integer; numpy's SeedSequence refuses negative ones
+
+
+def check_tau(value: object, where: str) -> None:
+    """The harm tolerance: a finite number >= 0 (a memory is harmful when its Shapley value is below -tau)."""
+    check_number(value, where, "tau")
+
+
+def check_kappa(value: object, where: str) -> None:
+    """The LOO screen tolerance: a finite number >= 0."""
+    check_number(value, where, "kappa")
+
+
+def check_permutations(value: object, where: str, low: int = 1, field: str = "permutations") -> None:
+    """A permutation budget L: an integer from `low` (the audit allows 0: the estimator's default) to
+    MAX_PERMUTATIONS. The benchmark's budgets are permutation budgets too (`field` names the field)."""
+    check_integer(value, where, field)
+    check(low <= value <= MAX_PERMUTATIONS, where,  # type: ignore[operator]
+          f"{field}={value!r}; allowed {low}..{MAX_PERMUTATIONS:,}"
+          + (" (0: the estimator's default)" if low == 0 else ""))
+
+
+def check_utility(value: object, where: str) -> None:
+    """A utility mode v(S) of a coalition: one of UTILITY_MODES."""
+    check(value in UTILITY_MODES, where, f"utility={value!r}; allowed {UTILITY_MODES}")
+
+
+def check_seed(value: object, where: str) -> None:
+    check_integer(value, where, "seed")
+    check(0 <= value <= MAX_SEED, where, f"seed={value!r}; allowed 0..2**63-1")  # type: ignore[operator]
+
+
+# One rule per setting, validity included: every config that holds one of these settings (the audit's `AuditConfig`,
+# the benchmark's `EvalConfig`, `MethodConfig`, `BuildConfig` and `PoolIndex`) checks it through `check_setting`,
+# nowhere else (tests/test_setting_rules.py lists every declaration and every call). top_k's rule is declared by
+# retrieval, which owns K and, sitting below this module, calls it directly.
+# Hook for the estimators branch's `--budget`: declare `check_budget` here, add "budget" below, and call
+# `check_setting("budget", ...)` from each config that holds a budget; the test then asks for the new name.
+SETTING_RULES: dict[str, Callable[..., None]] = {
+    "tau": check_tau,
+    "kappa": check_kappa,
+    "top_k": check_top_k,
+    "permutations": check_permutations,
+    "utility": check_utility,
+    "seed": check_seed,
+}
+
+
+def check_setting(name: str, value: object, where: str, **options: Any) -> None:
+    """Check `value` of setting `name` by its one rule (`options`: the rule's keywords, e.g. top_k's `low`)."""
+    SETTING_RULES[name](value, where, **options)
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunSettings:
     """The settings the audit and the benchmark share. Subclasses call `check_run_settings` from `__post_init__`."""
@@ -62,11 +118,12 @@ class RunSettings:
     gpus_per_actor: float = 0.0
 
     def check_run_settings(self, w: str, top_k_low: int = 1) -> None:
-        for name in ("seed", "actors"):
-            check_integer(getattr(self, name), w, name)
-        check_top_k(self.top_k, w, top_k_low)
-        for name in ("tau", "kappa", "gpus_per_actor"):
-            check_number(getattr(self, name), w, name)
+        check_integer(self.actors, w, "actors")
+        check_setting("seed", self.seed, w)
+        check_setting("top_k", self.top_k, w, low=top_k_low)
+        check_setting("tau", self.tau, w)
+        check_setting("kappa", self.kappa, w)
+        check_number(self.gpus_per_actor, w, "gpus_per_actor")
         check_dense(self.dense, w)
         check(self.agent in AGENTS, w, f"agent={self.agent!r}; allowed {AGENTS}")
         check(isinstance(self.agent_options, dict), w, "agent_options must be a mapping")
@@ -98,8 +155,9 @@ class AuditConfig(RunSettings):
 
     def __post_init__(self) -> None:
         w = "audit config"
-        for name in ("top_k", "permutations", "batch_size", "embed_actors"):  # YAML `true` is no count
+        for name in ("batch_size", "embed_actors"):  # YAML `true` is no count
             check_integer(getattr(self, name), w, name)
+        check_setting("permutations", self.permutations, w, low=0)
         self.check_run_settings(w)
         if self.permutations == 0:
             object.__setattr__(self, "permutations",
@@ -108,16 +166,16 @@ class AuditConfig(RunSettings):
         check(self.estimator != "exact" or self.top_k <= MAX_EXACT_K, w,
               f"estimator='exact' with top_k={self.top_k} needs 2^{self.top_k} = {1 << self.top_k:,} agent calls per query; "
               f"exact is allowed up to top_k={MAX_EXACT_K}, use estimator 'auto' or 'permutation' above")
-        check(self.permutations >= 1, w, f"permutations={self.permutations!r}; must be >= 1 (0: the estimator's default)")
         check(self.estimator in ESTIMATORS, w, f"estimator={self.estimator!r}; allowed {ESTIMATORS}")
         pairs = self.antithetic or self.estimator == "adaptive"  # adaptive always draws antithetic pairs
         check(not pairs or self.permutations % 2 == 0, w,
               f"permutations={self.permutations!r}; antithetic sampling (always on with estimator 'adaptive') needs an even number")
-        check(self.utility in UTILITY_MODES, w, f"utility={self.utility!r}; allowed {UTILITY_MODES}")
+        check_setting("utility", self.utility, w)
         check(isinstance(self.adaptive_round, int) and self.adaptive_round >= 2
               and (self.estimator != "adaptive" or self.adaptive_round % 2 == 0), w,
               f"adaptive_round={self.adaptive_round!r}; must be an even integer >= 2 (adaptive draws antithetic pairs)")
-        check(isinstance(self.adaptive_z, (int, float)) and self.adaptive_z > 0, w, f"adaptive_z={self.adaptive_z!r}; must be > 0")
+        check_number(self.adaptive_z, w, "adaptive_z")  # finite: z = inf would never stop a case before the cap
+        check(self.adaptive_z > 0, w, f"adaptive_z={self.adaptive_z!r}; must be > 0")
         check(self.cpus_per_actor > 0, w, f"cpus_per_actor={self.cpus_per_actor!r}; must be > 0")
         check(self.batch_size >= 1, w, f"batch_size={self.batch_size!r}; must be >= 1")
         check(self.embed_actors >= 0, w, f"embed_actors={self.embed_actors!r}; must be >= 0")

@@ -17,14 +17,18 @@ STOPWORDS = frozenset(
     "must about into over under up down out off again just also very too s t".split()
 )
 # ANSI/OSC escapes, other C0/C1 controls and DEL: ids and text from input files are printed through `safe`, so a
-# crafted id cannot move the cursor, retitle the terminal or hide output.
-_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x00, 0x20), *range(0x7F, 0xA0))}
+# crafted id cannot move the cursor, retitle the terminal or hide output. Bidirectional controls (U+202E, the
+# right-to-left override, and its kin, the "Trojan Source" characters of Boucher and Anderson, 2021) and the Unicode
+# line/paragraph separators are shown as \\uNNNN: they reorder or break what is printed after them.
+_BIDI = (0x061C, 0x200E, 0x200F, 0x2028, 0x2029, *range(0x202A, 0x202F), *range(0x2066, 0x206A))
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x00, 0x20), *range(0x7F, 0xA0))} | {c: f"\\u{c:04x}" for c in _BIDI}
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCT = str.maketrans("", "", string.punctuation)
 
 
 def safe(text: object) -> str:
-    """`text` with every control character shown as a \\xNN escape (printable to any terminal or log)."""
+    """`text` with every control character shown as a \\xNN escape and every bidi control as \\uNNNN (printable to
+    any terminal or log). Every console line that can hold text from an input or a run folder goes through it."""
     return str(text).translate(_CONTROL)
 
 

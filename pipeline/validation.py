@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from typing import Any, Mapping, TypeVar
 
 from pipeline.errors import ConfigError
@@ -20,12 +21,27 @@ def from_mapping(cls: type[T], data: Mapping[str, Any] | None, where: str) -> T:
     unknown = sorted(set(data) - names)
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(names)}")
+    check_finite(data, where)
     try:
         return cls(**data)
     except ConfigError as exc:  # a bad value: say where the setting came from
         raise ConfigError(f"{where}: {exc}") from None
     except TypeError as exc:  # a required key is missing
         raise ConfigError(f"{where}: {exc}") from None
+
+
+def check_finite(data: Mapping[str, Any], where: str) -> None:
+    """No NaN or infinity anywhere in a mapping of settings (lists and mappings inside included): YAML's `.inf` and
+    `.nan` read as floats, and one such setting (an agent's beta, a temperature) turns every utility into NaN."""
+    stack: list[tuple[str, Any]] = list(data.items())
+    while stack:
+        key, value = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{where}: {key}={value!r}; must be a finite number")
+        if isinstance(value, Mapping):
+            stack.extend((f"{key}.{k}", v) for k, v in value.items())
+        elif isinstance(value, (list, tuple)):
+            stack.extend((f"{key}[{i}]", v) for i, v in enumerate(value))
 
 
 def fingerprint(obj: Any, length: int = 12) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -51,7 +52,7 @@ def _bytes_file(t: Path, name: str, data: bytes) -> Path:
     return p
 
 
-# kind -> (arguments built in a fresh folder, words the one-line message must hold)
+# kind -> (arguments built in a fresh folder, words the one-line message must hold, or a tuple of such parts)
 CASES = {
     "invalid_json_line": (lambda t: pair(t, mem=[MEM[0], "{not json"]), "mem.jsonl:line 2: is not valid JSON"),
     "record_not_an_object": (lambda t: pair(t, mem=["[1, 2]"]), "mem.jsonl:line 1: must be a JSON object"),
@@ -116,10 +117,139 @@ CASES = {
                                     "has an unknown placeholder ('user'); allowed: {date}"),
     "job_inputs_a_list": (lambda t: job(t, "inputs: [a, b]\nout: OUT\n"), "inputs must be a mapping of settings, got list"),
     "job_config_is_a_folder": (lambda t: ["JOB", str(_bytes_file(t, "x.txt", b"x").parent)], "is a folder; give the YAML file"),
-    "job_top_k_true": (lambda t: job(t, "inputs: {}\nout: OUT\naudit: {top_k: true}\n"), "top_k=True; must be an integer"),
+    "job_top_k_true": (lambda t: job(t, "inputs: {}\nout: OUT\naudit: {top_k: true}\n"), "top_k=True; allowed 1..20"),
     "job_unknown_key": (lambda t: job(t, "inputs: {}\nout: OUT\nwhen: nightly\n"), "unknown key(s) ['when']"),
     "job_memories_not_paths": (lambda t: job(t, "inputs: {memories: [1], queries: q}\nout: OUT\n"),
                                "memories must be a path or a list of paths"),
+}
+
+
+def _fifo(t: Path, name: str) -> Path:
+    """A named pipe with no writer: reading it would block for good, so it must be refused, never opened."""
+    p = t / "in" / name
+    p.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(p)
+    return p
+
+
+def mem0(t: Path, data, name: str = "export.json") -> list[str]:
+    raw = data if isinstance(data, bytes) else (data if isinstance(data, str) else json.dumps(data)).encode()
+    return ["--mem0", str(_bytes_file(t, name, raw)), "--queries", str(jsonl(t / "in" / "q.jsonl", [Q_MEM0]))]
+
+
+def _parquet_memories(t: Path) -> list[str]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    p = t / "in" / "mem.parquet"
+    p.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"memory_id": ["m1"], "text": [5]}), p)
+    return ["--memories", str(p), "--queries", str(jsonl(t / "in" / "q.jsonl", QRY))]
+
+
+def _nested(depth: int) -> str:
+    return '{"a": ' * depth + "1" + "}" * depth
+
+
+M0 = {"id": "a1", "memory": "Ana moved to Lisbon last spring.", "user_id": "ana"}
+Q_MEM0 = {**QRY[0], "pool_id": "ana"}
+HUGE_INT = "9" * 5000  # more digits than Python converts (sys.get_int_max_str_digits(): 4,300)
+
+# Issue 17 (item 5): bad settings, files and records found by a probe, and the limits on what a user can make huge
+# (pipeline.io.records: MAX_*; README, Inputs: limits). Each is exit 2, one line, nothing written.
+CASES |= {
+    "seed_negative": (lambda t: ["--seed", "-5"], "seed=-5; allowed 0..2**63-1"),
+    "seed_too_large": (lambda t: ["--seed", str(2**64)], "seed=18446744073709551616; allowed 0..2**63-1"),
+    "tau_nan": (lambda t: ["--tau", "nan"], "tau=nan; must be a finite number"),
+    "kappa_infinite": (lambda t: ["--kappa", "inf"], "kappa=inf; must be a finite number"),
+    "gpus_per_actor_infinite": (lambda t: ["--gpus-per-actor", "inf"], "gpus_per_actor=inf; must be a finite number"),
+    "permutations_beyond_the_cap": (lambda t: ["--permutations", "1000000"], "permutations=1000000; allowed 0..10,000"),
+    "adaptive_z_infinite": (lambda t: ["--estimator", "adaptive", "--adaptive-z", "inf"], "adaptive_z=inf; must be a finite number"),
+    "permutations_negative": (lambda t: ["--permutations", "-2"], "permutations=-2; allowed 0..10,000"),
+    "agent_option_infinite": (lambda t: ["--agent-option", "beta=.inf"], "beta=inf; must be a finite number"),
+    "agent_option_nan": (lambda t: ["--agent-option", "beta=.nan"], "beta=nan; must be a finite number"),
+    "agent_option_huge": (lambda t: ["--agent-option", "beta=1.0e+300"], "reader.beta: must be > 0 and <= 1e+06"),
+    "agent_option_infinite_under_ray": (lambda t: ["--agent-option", "beta=-.inf", "--executor", "ray"],
+                                        "beta=-inf; must be a finite number"),
+    "job_tau_infinite": (lambda t: job(t, "inputs: {}\nout: OUT\naudit: {tau: .inf}\n"), "tau=inf; must be a finite number"),
+    "job_config_is_a_fifo": (lambda t: ["JOB", str(_fifo(t, "job.yaml"))], "is not a regular file (a FIFO"),
+    "locomo_options_beyond_the_limit": (lambda t: [*locomo(t, [LOCOMO_CONV]), "--locomo-options", "1000"],
+                                        "locomo_options=1000; must be 0 (open answers) or 2..64"),
+    # files that are not regular files would block the reader for good
+    "memories_file_is_a_fifo": (lambda t: ["--memories", str(_fifo(t, "mem.jsonl")), "--queries",
+                                           str(jsonl(t / "in" / "q.jsonl", QRY))], "mem.jsonl: is not a regular file"),
+    "fifo_inside_a_queries_folder": (lambda t: ["--memories", str(jsonl(t / "in" / "mem.jsonl", MEM)), "--queries",
+                                                str(_fifo(t, "qs/q.jsonl").parent)], "q.jsonl: is not a regular file"),
+    "folder_named_like_an_input_file": (lambda t: ["--memories", str(jsonl(t / "in" / "mem" / "sub.jsonl" / "x.jsonl", MEM).parent.parent),
+                                                   "--queries", str(jsonl(t / "in" / "q.jsonl", QRY))], "sub.jsonl: is a folder; give a file"),
+    "locomo_file_is_a_fifo": (lambda t: ["--locomo", str(_fifo(t, "locomo.json"))], "locomo.json: is not a regular file"),
+    "mem0_file_is_a_fifo": (lambda t: ["--mem0", str(_fifo(t, "export.json")), "--queries",
+                                       str(jsonl(t / "in" / "q.jsonl", [Q_MEM0]))], "export.json: is not a regular file"),
+    "parquet_text_not_a_string": (_parquet_memories, "mem.parquet:row 0: field 'text' must be a string, got int"),
+    # memories JSONL
+    "memory_id_of_5000_digits": (lambda t: pair(t, mem=['{"memory_id": ' + HUGE_INT + ', "text": "x"}']),
+                                 "mem.jsonl:line 1: holds a number with more than 4,300 digits"),
+    "memory_id_too_long": (lambda t: pair(t, mem=[{"memory_id": "m" * 2000, "text": "x"}]),
+                           "field 'memory_id' has 2,000 characters; the limit is 1,000"),
+    "metadata_nested_200000_levels": (lambda t: pair(t, mem=['{"memory_id": "m1", "text": "x", "metadata": '
+                                                             + _nested(200_000) + "}"]),
+                                      "mem.jsonl:line 1: is JSON nested too deeply to read"),
+    "metadata_deeper_than_the_limit": (lambda t: pair(t, mem=['{"memory_id": "m1", "text": "x", "metadata": '
+                                                              + _nested(40) + "}"]),
+                                       "field 'metadata' is nested more than 32 levels deep"),
+    "metadata_string_not_json": (lambda t: pair(t, mem=[{**MEM[0], "metadata": "{oops"}]),
+                                 "field 'metadata' is a string but not a JSON object"),
+    "memory_id_a_fraction": (lambda t: pair(t, mem=[{"memory_id": 1.5, "text": "x"}]),
+                             "field 'memory_id' must be a string or an integer, got 1.5"),
+    "speaker_not_text": (lambda t: pair(t, mem=[{**MEM[0], "speaker": ["Ana"]}]), "field 'speaker' must be a string, got list"),
+    # queries JSONL
+    "duplicate_query_id_across_files": (lambda t: ["--memories", str(jsonl(t / "in" / "mem.jsonl", MEM)), "--queries",
+                                                   str(jsonl(t / "in" / "q1.jsonl", QRY)), "--queries",
+                                                   str(jsonl(t / "in" / "q2.jsonl", QRY))],
+                                        ("q2.jsonl:line 1: field 'query_id' 'q1' repeats in pool 'mem' (first at ", "in/q1.jsonl line 1)")),
+    "options_beyond_the_limit": (lambda t: pair(t, qry=[{**QRY[0], "options": ["Lisbon", *(f"city {i}" for i in range(10_000))]}]),
+                                 "field 'options' has 10,001 options; the limit is 64"),
+    "option_text_too_long": (lambda t: pair(t, qry=[{**QRY[0], "options": ["Lisbon", "P" * 1001]}]),
+                             "field 'options[1]' has 1,001 characters; the limit is 1,000"),
+    "question_too_long": (lambda t: pair(t, qry=[{**QRY[0], "question": "why " * 2501}]),
+                          "field 'question' has 10,004 characters; the limit is 10,000"),
+    "answer_too_long": (lambda t: pair(t, qry=[{**QRY[0], "answer": "L" * 1001}]),
+                        "field 'answer' has 1,001 characters; the limit is 1,000"),
+    "options_not_a_list_of_strings": (lambda t: pair(t, qry=[{**QRY[0], "options": "Lisbon"}]), "field 'options' must be a list of strings"),
+    "question_missing": (lambda t: pair(t, qry=[{k: v for k, v in QRY[0].items() if k != "question"}]),
+                         "field 'question' is missing"),
+    "evidence_not_a_list": (lambda t: pair(t, qry=[{**QRY[0], "evidence": "m1"}]), "field 'evidence' must be a list of memory ids"),
+    "query_nested_200000_levels": (lambda t: pair(t, qry=['{"query_id": "q1", "x": ' + _nested(200_000) + "}"]),
+                                   "q.jsonl:line 1: is JSON nested too deeply to read"),
+    # mem0 exports
+    "mem0_not_json": (lambda t: mem0(t, "{oops"), "export.json:line 1: is not valid JSON"),
+    "mem0_object_without_results": (lambda t: mem0(t, {"items": []}), "must be a list of memories or an object with a 'results' list"),
+    "mem0_record_not_an_object": (lambda t: mem0(t, [1]), "export.json:row 0: must be a JSON object, got int"),
+    "mem0_memory_missing": (lambda t: mem0(t, [{"id": "a1", "user_id": "ana"}]), "field 'memory' is missing"),
+    "mem0_metadata_not_an_object": (lambda t: mem0(t, [{**M0, "metadata": [1]}]), "field 'metadata' must be an object or null"),
+    "mem0_duplicate_id": (lambda t: mem0(t, [M0, M0]), "field 'id' 'a1' repeats for user 'ana'"),
+    "mem0_empty": (lambda t: mem0(t, []), "holds no memories"),
+    "mem0_non_utf8": (lambda t: mem0(t, b'[{"id": "\xff"}]'), "export.json:byte 9: is not UTF-8 text"),
+    "mem0_memory_too_long": (lambda t: [*mem0(t, [M0]), "--max-memory-chars", "10"],
+                             "field 'memory' has 32 characters; the limit is 10 (--max-memory-chars)"),
+    "mem0_jsonl_nested_200000_levels": (lambda t: mem0(t, '{"id": "a1", "metadata": ' + _nested(200_000) + "}\n", "export.jsonl"),
+                                        "export.jsonl:line 1: is JSON nested too deeply to read"),
+    "mem0_id_of_5000_digits": (lambda t: mem0(t, '[{"id": ' + HUGE_INT + "}]"), "holds a number with more than 4,300 digits"),
+    "mem0_and_memories_together": (lambda t: [*mem0(t, [M0]), "--memories", str(jsonl(t / "in" / "mem.jsonl", MEM))],
+                                   "give either memories or mem0, not both"),
+    # LoCoMo
+    "locomo_nested_200000_levels": (lambda t: locomo(t, ("[" * 200_000 + "]" * 200_000).encode()),
+                                    "locomo.json: is JSON nested too deeply to read"),
+    "locomo_turn_too_long": (lambda t: [*locomo(t, [LOCOMO_CONV]), "--max-memory-chars", "20"],
+                             "conversation 0 session_1 turn 0: field 'text' has 36 characters; the limit is 20"),
+    "locomo_question_too_long": (lambda t: locomo(t, [{**LOCOMO_CONV, "qa": [{**LOCOMO_CONV["qa"][0], "question": "q" * 10_001}]}]),
+                                 "conversation 0 qa 0: field 'question' has 10,001 characters; the limit is 10,000"),
+    "locomo_sample_id_too_long": (lambda t: locomo(t, [{**LOCOMO_CONV, "sample_id": "c" * 1001}]),
+                                  "conversation 0: field 'sample_id' has 1,001 characters; the limit is 1,000"),
+    "locomo_sample_id_missing": (lambda t: locomo(t, [{k: v for k, v in LOCOMO_CONV.items() if k != "sample_id"}]),
+                                 "conversation 0: field 'sample_id' is missing"),
+    "locomo_qa_item_not_an_object": (lambda t: locomo(t, [{**LOCOMO_CONV, "qa": [1]}]), "conversation 0 qa 0: must be an object"),
+    "locomo_not_json": (lambda t: locomo(t, b"[{oops"), "locomo.json:line 1: is not valid JSON"),
 }
 
 
@@ -134,8 +264,8 @@ def _tree(folder: Path) -> dict[str, bytes | None]:
     return {str(p.relative_to(folder)): (p.read_bytes() if p.is_file() else None) for p in sorted(folder.rglob("*"))}
 
 
-def test_catalogue_has_at_least_30_kinds():
-    assert len(CASES) >= 30
+def test_catalogue_has_at_least_80_kinds():
+    assert len(CASES) >= 80
 
 
 @pytest.mark.parametrize("kind", sorted(CASES))
@@ -157,5 +287,6 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(kind, tmp_path, capsys)
     err = captured.err.strip()
     assert rc == 2, (kind, err)
     assert len(err.splitlines()) == 1, err
-    assert words in err, err
+    for part in words if isinstance(words, tuple) else (words,):  # a tuple: every part, in the line
+        assert part in err, err
     assert _tree(tmp_path) == before  # nothing written, nothing removed

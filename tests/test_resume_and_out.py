@@ -172,10 +172,18 @@ def test_out_with_foreign_files_is_refused_and_untouched(tmp_path, capsys, forei
     assert _tree(out) == before and sorted(os.listdir(out)) == sorted(os.listdir(out))
 
 
-def test_non_finite_utilities_go_to_errors_and_the_run_finishes_non_zero(tmp_path, capsys):
+def test_non_finite_utilities_go_to_errors_and_the_run_finishes_non_zero(tmp_path, capsys, monkeypatch):
+    # An agent that answers NaN probabilities for coalitions of 3 or more memories. (`--agent-option beta=.inf` once
+    # did this; agent options must now be finite, so that is exit 2 before any work, tests/test_bad_input_catalogue.py.)
+    from pipeline.agents.base import AgentResponse
+    from pipeline.agents.reader import ReaderAgent
+
+    answer = ReaderAgent._answer
+    monkeypatch.setattr(ReaderAgent, "_answer", lambda self, req: AgentResponse(
+        (float("nan"),) * len(req.options), "") if len(req.memories) >= 3 else answer(self, req))
     out = tmp_path / "o"
     rc = main(["audit", "--out", str(out), "--executor", "local", "--dense", "off", "--no-progress",
-               "--agent-option", "beta=.inf", "--max-queries", "6"])
+               "--max-queries", "6"])
     assert rc == 3
     errors = pl.read_parquet(out / "errors")
     assert errors.height > 0 and set(errors["kind"]) == {"non_finite_utility"}

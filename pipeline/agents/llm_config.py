@@ -22,7 +22,8 @@ def check_common(cfg: Any, where: str, positive_ints: Sequence[str]) -> None:
     check(isinstance(cfg.n_samples, int) and cfg.n_samples >= 0, where, f"n_samples must be >= 0, got {cfg.n_samples!r}")
     check(isinstance(cfg.temperature, (int, float)) and cfg.temperature > 0, where,
           f"temperature must be > 0, got {cfg.temperature!r}")
-    check(isinstance(cfg.seed, int), where, f"seed must be an integer, got {cfg.seed!r}")
+    check(isinstance(cfg.seed, int) and not isinstance(cfg.seed, bool) and 0 <= cfg.seed < 2**32, where,
+          f"seed must be an integer from 0 to 2**32-1, got {cfg.seed!r}")  # the engines' samplers take 32-bit seeds
     check(cfg.scoring in prompts.SCORINGS, where, f"scoring {cfg.scoring!r} is not one of {prompts.SCORINGS}")
     check(cfg.cloze_norm in prompts.CLOZE_NORMS, where,
           f"cloze_norm {cfg.cloze_norm!r} is not one of {prompts.CLOZE_NORMS}")

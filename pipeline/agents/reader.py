@@ -14,6 +14,7 @@ individually weak records can jointly overturn the answer.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -24,12 +25,18 @@ from pipeline.text import tokens
 from pipeline.validation import check, fingerprint
 
 
+MAX_BETA = 1e6
+
+
 @dataclass(frozen=True)
 class ReaderConfig:
     beta: float = 8.0  # softmax sharpness over option supports
 
     def __post_init__(self) -> None:
-        check(isinstance(self.beta, (int, float)) and self.beta > 0, "reader.beta", f"must be > 0, got {self.beta!r}")
+        # Finite and bounded: support is at most K (20), so beta x support stays far from overflow and the softmax
+        # finite; an infinite or huge beta made every utility NaN (exit 3 after all the work).
+        ok = isinstance(self.beta, (int, float)) and not isinstance(self.beta, bool) and math.isfinite(self.beta)
+        check(ok and 0 < self.beta <= MAX_BETA, "reader.beta", f"must be > 0 and <= {MAX_BETA:g}, got {self.beta!r}")
 
 
 def _distinctive(options: Sequence[str], question_words: set[str]) -> list[set[str]]:

@@ -42,7 +42,8 @@ from pipeline.bench.reretrieval import PoolIndex
 from pipeline.cases import Case, case_seed
 from pipeline.game.plan import full_mask
 from pipeline.io.records import Pool, Query
-from pipeline.retrieval import DEFAULT_TOP_K, check_top_k
+from pipeline.retrieval import DEFAULT_TOP_K
+from pipeline.settings import check_setting
 from pipeline.validation import check
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,8 @@ class BuildConfig:
 
     def __post_init__(self) -> None:
         w = "build config"
-        check_top_k(self.top_k, w, low=2)  # room for a redundant pair
+        check_setting("top_k", self.top_k, w, low=2)  # room for a redundant pair
+        check_setting("seed", self.seed, w)
         check(isinstance(self.redundancy, int) and 2 <= self.redundancy <= min(len(STRONG_TEMPLATES), self.top_k), w,
               f"redundancy={self.redundancy!r}; allowed 2..{min(len(STRONG_TEMPLATES), self.top_k)}")
         check(isinstance(self.max_cases, int) and self.max_cases >= 0, w, f"max_cases={self.max_cases!r}; must be >= 0")

@@ -9,7 +9,7 @@ from pipeline.agents.utility import UTILITY_MODES
 from pipeline.bench.bootstrap import DEFAULT_REPLICATES
 from pipeline.bench.builder import BuildConfig
 from pipeline.bench.methods import DEFAULT_BUDGETS, DEFAULT_METHODS, MethodConfig, expand_methods
-from pipeline.settings import RunSettings
+from pipeline.settings import RunSettings, check_setting
 from pipeline.validation import check
 
 
@@ -33,12 +33,14 @@ class EvalConfig(RunSettings):
         for name in ("conversations", "methods", "utility", "budgets"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         check(isinstance(self.locomo, str) and bool(self.locomo), w, f"locomo={self.locomo!r}; a LoCoMo json path")
-        check(all(isinstance(b, int) and b >= 1 for b in self.budgets) and bool(self.budgets), w,
-              f"budgets={self.budgets!r}; positive integers")
+        check(bool(self.budgets), w, "budgets is empty")
+        for b in self.budgets:  # each a permutation budget L of MeClear
+            check_setting("permutations", b, w, field="budgets")
         object.__setattr__(self, "methods", expand_methods(self.methods, self.budgets))
         check(bool(self.methods), w, "methods is empty")
-        check(bool(self.utility) and set(self.utility) <= set(UTILITY_MODES), w,
-              f"utility={self.utility!r}; allowed a non-empty subset of {UTILITY_MODES}")
+        check(bool(self.utility), w, f"utility is empty; allowed a non-empty subset of {UTILITY_MODES}")
+        for mode in self.utility:
+            check_setting("utility", mode, w)
         check(len(set(self.utility)) == len(self.utility), w, f"utility={self.utility!r} repeats a mode")
         check(isinstance(self.replicates, int) and self.replicates >= 1, w, f"replicates={self.replicates!r}; >= 1")
         check(isinstance(self.max_cases, int) and self.max_cases >= 0, w, f"max_cases={self.max_cases!r}; must be >= 0")

@@ -38,7 +38,7 @@ from pipeline.game import harmful_ranking, make_plan, select_clearance, shapley_
 from pipeline.game.attribution import loo_effects
 from pipeline.game.clearance import clearance_coalitions
 from pipeline.game.plan import DEFAULT_PERMUTATIONS, full_mask
-from pipeline.settings import DEFAULT_KAPPA, DEFAULT_TAU
+from pipeline.settings import DEFAULT_KAPPA, DEFAULT_TAU, check_number, check_setting
 from pipeline.text import tokens
 
 FAMILIES = ("meclear", "loo", "contextcite", "proxyspex", "filter")
@@ -58,10 +58,9 @@ class MethodConfig:
     filter_threshold: float = 0.5  # relevance filter: drop memories with fewer than this share of question words
 
     def __post_init__(self) -> None:
-        for name in ("tau", "kappa", "filter_threshold"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or v < 0:
-                raise ConfigError(f"method config: {name}={v!r}; must be a number >= 0")
+        check_setting("tau", self.tau, "method config")  # the audit's rules (pipeline.settings.SETTING_RULES)
+        check_setting("kappa", self.kappa, "method config")
+        check_number(self.filter_threshold, "method config", "filter_threshold")
         for name in ("contextcite_masks", "proxyspex_masks"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:

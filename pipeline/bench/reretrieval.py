@@ -21,11 +21,11 @@ from pipeline.retrieval import (
     DEFAULT_TOP_K,
     FrozenContext,
     MiniLMEncoder,
-    check_top_k,
     fuse_and_freeze,
     retrieval_mode,
     use_dense,
 )
+from pipeline.settings import check_setting
 
 
 @dataclass
@@ -41,7 +41,7 @@ class PoolIndex:
     """
 
     def __init__(self, pools: dict[str, Pool], top_k: int = DEFAULT_TOP_K, dense: str = "auto"):
-        check_top_k(top_k, "retrieval")
+        check_setting("top_k", top_k, "retrieval")
         self.pools, self.top_k = pools, top_k
         self.encoder = MiniLMEncoder() if use_dense(dense) else None
         self.mode = retrieval_mode(self.encoder is not None)

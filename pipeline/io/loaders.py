@@ -6,7 +6,8 @@ from pathlib import Path
 from typing import Iterable
 
 from pipeline.errors import InputError
-from pipeline.io.records import MAX_MEMORY_CHARS, Pool, PoolGrouper, Query, iter_records, parse_memory, parse_query, text_field, warn_unknown
+from pipeline.io.records import (MAX_MEMORY_CHARS, Pool, PoolGrouper, Query, iter_records, parse_memory, parse_query,
+                                 regular_file, text_field, warn_unknown)
 
 MEMORY_FIELDS = {"memory_id", "text", "timestamp", "speaker", "metadata", "pool_id"}
 QUERY_FIELDS = {"query_id", "pool_id", "question", "answer", "options", "category", "evidence"}
@@ -20,10 +21,8 @@ def input_files(path: str | Path) -> list[Path]:
         files = sorted(f for f in p.iterdir() if f.suffix.lower() in SUFFIXES)
         if not files:
             raise InputError(p, "", None, f"is a folder with no input files; expected {', '.join(SUFFIXES)}")
-        return files
-    if not p.exists():
-        raise InputError(p, "", None, "does not exist")
-    return [p]
+        return [regular_file(f) for f in files]
+    return [regular_file(p)]
 
 
 def load_pools(paths: str | Path | Iterable[str | Path], max_chars: int = MAX_MEMORY_CHARS) -> dict[str, Pool]:
@@ -78,7 +77,7 @@ def load_queries(paths: str | Path | Iterable[str | Path], pools: dict[str, Pool
             key = (q.pool_id, q.query_id)
             if key in first:
                 raise InputError(f, where, "query_id", f"{q.query_id!r} repeats in pool {q.pool_id!r} (first at {first[key]})")
-            first[key] = where
+            first[key] = f"{f} {where}"  # the file too: the repeat may be in another file
             out.append(q)
     if not out:
         raise InputError(", ".join(str(p) for p in paths), "", None, "holds no query records")

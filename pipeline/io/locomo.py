@@ -9,14 +9,14 @@ fixed by the seed.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import numpy as np
 
 from pipeline.errors import InputError
-from pipeline.io.records import Memory, Pool, Query
+from pipeline.io.records import (MAX_FIELD_CHARS, MAX_MEMORY_CHARS, MAX_OPTION_CHARS, MAX_QUESTION_CHARS, Memory, Pool,
+                                 Query, check_length, loads_json, regular_file)
 from pipeline.text import normalize_answer
 
 _SESSION = re.compile(r"^session_(\d+)$")
@@ -50,25 +50,25 @@ def _answer(qa: dict) -> str | None:
 
 
 def load_locomo(
-    path: str | Path, n_options: int = 4, seed: int = 0, conversations: list[str] | None = None
+    path: str | Path, n_options: int = 4, seed: int = 0, conversations: list[str] | None = None,
+    max_chars: int = MAX_MEMORY_CHARS,
 ) -> tuple[dict[str, Pool], list[Query]]:
     """Pools keyed by LoCoMo sample_id, and queries (query_id = '<sample_id>:q<index>').
 
     n_options: options per query (gold + n_options-1 distractors); 0 keeps open answers.
     conversations: sample_ids to keep (all when None).
+    max_chars: the longest turn text accepted (with its date, speaker and caption); ids, questions and answers have
+    the limits of `pipeline.io.records`.
     """
     path = Path(path)
     if path.is_dir():
         raise InputError(path, "", None, "is a folder; give the LoCoMo json file (e.g. locomo10.json)")
     try:
-        with open(path, "rb") as fh:
-            data = json.loads(fh.read().decode("utf-8"))
-    except FileNotFoundError:
-        raise InputError(path, "", None, "does not exist") from None
+        with open(regular_file(path), "rb") as fh:
+            text = fh.read().decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InputError(path, f"byte {exc.start}", None, "is not UTF-8 text") from None
-    except json.JSONDecodeError as exc:
-        raise InputError(path, f"line {exc.lineno}", None, f"is not valid JSON ({exc.msg})") from None
+    data = loads_json(text, path)
     if not isinstance(data, list):
         raise InputError(path, "", None, "must be a JSON list of LoCoMo conversations")
     if not data:
@@ -91,6 +91,7 @@ def load_locomo(
                     if f not in turn:
                         raise InputError(path, f"{where} {key} turn {ti}", f, "is missing")
                 text = turn_text(date, turn["speaker"], turn["text"], turn.get("blip_caption"))
+                check_length(path, f"{where} {key} turn {ti}", "text", text, max_chars, " (--max-memory-chars)")
                 memories.append(Memory(str(turn["dia_id"]), text, date, turn["speaker"], {"session": num}))
         pools[sid] = Pool(sid, tuple(memories), f"{path}#{sid}")
         by_category: dict[int, list[str]] = {}
@@ -103,6 +104,8 @@ def load_locomo(
             ans = _answer(qa)
             if ans is None or not str(qa.get("question", "")).strip():
                 continue  # LoCoMo has a few QA items without an answer; they cannot be scored
+            check_length(path, f"{where} qa {qi}", "question", str(qa["question"]), MAX_QUESTION_CHARS)
+            check_length(path, f"{where} qa {qi}", "answer", ans, MAX_OPTION_CHARS)
             options: tuple[str, ...] = ()
             if n_options > 1:
                 distractors = pick_distractors(ans, by_category.get(qa.get("category"), []), n_options - 1, rng)
@@ -145,6 +148,7 @@ def _check_types(path: Path, data: list) -> None:
                 raise InputError(path, where, key, "is missing")
         if not isinstance(conv["sample_id"], (str, int)) or isinstance(conv["sample_id"], bool):
             raise InputError(path, where, "sample_id", f"must be a string, got {_type_name(conv['sample_id'])}")
+        check_length(path, where, "sample_id", str(conv["sample_id"]), MAX_FIELD_CHARS)
         if not isinstance(conv["conversation"], dict):
             raise InputError(path, where, "conversation", f"must be an object, got {_type_name(conv['conversation'])}")
         if not isinstance(conv["qa"], list):
@@ -160,6 +164,8 @@ def _check_types(path: Path, data: list) -> None:
                 for f in ("dia_id", "speaker", "text"):
                     if f in turn and not isinstance(turn[f], str):
                         raise InputError(path, f"{where} {key} turn {ti}", f, f"must be a string, got {_type_name(turn[f])}")
+                for f in ("dia_id", "speaker"):  # ids and names are copied into every row
+                    check_length(path, f"{where} {key} turn {ti}", f, turn.get(f, ""), MAX_FIELD_CHARS)
         for qi, qa in enumerate(conv["qa"]):
             if not isinstance(qa, dict):
                 raise InputError(path, f"{where} qa {qi}", None, f"must be an object, got {_type_name(qa)}")

@@ -41,11 +41,64 @@ class Query:
     evidence: tuple[str, ...] = field(default=(), compare=False)  # memory ids that support the answer, when known
 
 
+# Limits on what a user can make huge, each a one-line input error (exit 2) before anything is written. Each bounds a
+# cost that grows with the input: the reader compares every option with every other (options squared: 10,000 options
+# in one query had not finished after 300 s), retrieval and the prompts grow with the texts, ids and metadata are
+# copied into every output row. The limits sit far above real data (LoCoMo: 4 options, questions under 200
+# characters, turns under 1,000) and are listed in the README (Inputs: limits).
+MAX_MEMORY_CHARS = 100_000  # default of --max-memory-chars: one memory's text
+MAX_FIELD_CHARS = 1_000  # an id (memory, query, pool, LoCoMo sample/turn), timestamp, speaker or category
+MAX_QUESTION_CHARS = 10_000  # a question
+MAX_OPTION_CHARS = 1_000  # one option, and the answer
+MAX_OPTIONS = 64  # options per query (also the most --locomo-options may ask for)
+MAX_METADATA_DEPTH = 32  # nesting of a memory's metadata (carried into the outputs, never shown to the agent)
+
+
+def regular_file(path: Path) -> Path:
+    """`path` if it is a regular file (or a link to one): a FIFO, socket or device would block or never end."""
+    if not path.exists():
+        raise InputError(path, "", None, "does not exist")
+    if path.is_dir():  # a folder whose name ends like an input file, inside a folder of inputs
+        raise InputError(path, "", None, "is a folder; give a file")
+    if not path.is_file():
+        raise InputError(path, "", None, "is not a regular file (a FIFO, socket or device); give a file")
+    return path
+
+
+def loads_json(text: str, path: Path, where: str | None = None):
+    """`json.loads`, every failure one InputError: bad syntax (at `where`, or the line the parser names), a nesting
+    deeper than Python's recursion limit, a number with more digits than Python converts (4,300)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(path, where or f"line {exc.lineno}", None, f"is not valid JSON ({exc.msg})") from None
+    except RecursionError:
+        raise InputError(path, where or "", None, "is JSON nested too deeply to read (deeper than about "
+                                                  "1,000 levels)") from None
+    except ValueError:  # int('9' * 5000): Python refuses integers of more than sys.get_int_max_str_digits() digits
+        raise InputError(path, where or "", None, "holds a number with more than 4,300 digits") from None
+
+
+def check_metadata(path: Path, where: str, metadata: object) -> None:
+    """An object (or None) nested at most MAX_METADATA_DEPTH levels (walked without recursion)."""
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict):
+        raise InputError(path, where, "metadata", f"must be an object, got {type(metadata).__name__}")
+    stack = [(metadata, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_METADATA_DEPTH:
+            raise InputError(path, where, "metadata", f"is nested more than {MAX_METADATA_DEPTH} levels deep")
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+
+
 def iter_records(path: Path) -> Iterator[tuple[str, dict]]:
     """Yield (where, record) from a JSONL or Parquet file. `where` is 'line N' (1-based) or 'row N' (0-based)."""
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json", ".ndjson"):
-        with open(path, "rb") as fh:  # read-only: the memory bank is never opened for writing
+        with open(regular_file(path), "rb") as fh:  # read-only: the memory bank is never opened for writing
             for n, raw in enumerate(fh, start=1):
                 try:
                     line = raw.decode("utf-8")
@@ -53,10 +106,7 @@ def iter_records(path: Path) -> Iterator[tuple[str, dict]]:
                     raise InputError(path, f"line {n}", None, f"is not UTF-8 text (byte {exc.start})") from None
                 if not line.strip():
                     continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise InputError(path, f"line {n}", None, f"is not valid JSON ({exc.msg})") from None
+                rec = loads_json(line, path, f"line {n}")
                 if not isinstance(rec, dict):
                     raise InputError(path, f"line {n}", None, f"must be a JSON object, got {type(rec).__name__}")
                 yield f"line {n}", rec
@@ -64,7 +114,7 @@ def iter_records(path: Path) -> Iterator[tuple[str, dict]]:
         import pyarrow.parquet as pq
 
         try:
-            table = pq.read_table(path)
+            table = pq.read_table(regular_file(path))
         except Exception as exc:  # pyarrow raises several types for a corrupt file
             raise InputError(path, "", None, f"cannot be read as Parquet ({exc})") from None
         for n, rec in enumerate(table.to_pylist()):
@@ -73,8 +123,10 @@ def iter_records(path: Path) -> Iterator[tuple[str, dict]]:
         raise InputError(path, "", None, f"has unsupported extension {suffix!r}; allowed .jsonl, .json, .parquet")
 
 
-def text_field(path: Path, where: str, rec: dict, name: str, required: bool = True, numbers: bool = False) -> str | None:
-    """A non-empty string field (integers accepted and turned into text where `numbers`)."""
+def text_field(path: Path, where: str, rec: dict, name: str, required: bool = True, numbers: bool = False,
+               limit: int | None = MAX_FIELD_CHARS) -> str | None:
+    """A non-empty string field (integers accepted and turned into text where `numbers`) of at most `limit`
+    characters (None: the caller checks the length)."""
     value = rec.get(name)
     if value is None:
         if required:
@@ -91,10 +143,13 @@ def text_field(path: Path, where: str, rec: dict, name: str, required: bool = Tr
         raise InputError(path, where, name, f"must be a string, got {type(value).__name__}")
     if required and not value.strip():
         raise InputError(path, where, name, "is empty")
+    check_length(path, where, name, value, limit)
     return value
 
 
-MAX_MEMORY_CHARS = 100_000  # default limit of one memory's text: the largest LoCoMo turn is under 1,000 characters
+def check_length(path: Path, where: str, name: str, value: str, limit: int | None, flag: str = "") -> None:
+    if limit is not None and len(value) > limit:
+        raise InputError(path, where, name, f"has {len(value):,} characters; the limit is {limit:,}{flag}")
 
 
 def parse_memory(path: Path, where: str, rec: dict, max_chars: int = MAX_MEMORY_CHARS) -> Memory:
@@ -102,14 +157,13 @@ def parse_memory(path: Path, where: str, rec: dict, max_chars: int = MAX_MEMORY_
     if isinstance(metadata, str):  # Parquet exports often carry metadata as a JSON string
         try:
             metadata = json.loads(metadata)
-        except json.JSONDecodeError:
+        except RecursionError:
+            raise InputError(path, where, "metadata", f"is nested more than {MAX_METADATA_DEPTH} levels deep") from None
+        except ValueError:
             raise InputError(path, where, "metadata", "is a string but not a JSON object") from None
-    if metadata is not None and not isinstance(metadata, dict):
-        raise InputError(path, where, "metadata", f"must be an object, got {type(metadata).__name__}")
-    text = text_field(path, where, rec, "text")
-    if len(text) > max_chars:  # type: ignore[arg-type]
-        raise InputError(path, where, "text", f"has {len(text):,} characters; the limit is {max_chars:,} "  # type: ignore[arg-type]
-                                              "(--max-memory-chars)")
+    check_metadata(path, where, metadata)
+    text = text_field(path, where, rec, "text", limit=None)
+    check_length(path, where, "text", text, max_chars, " (--max-memory-chars)")  # type: ignore[arg-type]
     return Memory(
         memory_id=text_field(path, where, rec, "memory_id", numbers=True),  # type: ignore[arg-type]
         text=text,  # type: ignore[arg-type]
@@ -121,7 +175,7 @@ def parse_memory(path: Path, where: str, rec: dict, max_chars: int = MAX_MEMORY_
 
 def parse_query(path: Path, where: str, rec: dict, default_pool: str | None) -> Query:
     pool_id = text_field(path, where, rec, "pool_id", required=default_pool is None, numbers=True) or default_pool
-    answer = text_field(path, where, rec, "answer", numbers=True)
+    answer = text_field(path, where, rec, "answer", numbers=True, limit=MAX_OPTION_CHARS)
     options_raw = rec.get("options")
     options: tuple[str, ...] = ()
     if options_raw is not None:
@@ -130,6 +184,10 @@ def parse_query(path: Path, where: str, rec: dict, default_pool: str | None) -> 
         options = tuple(options_raw)
         if len(options) < 2:
             raise InputError(path, where, "options", f"needs at least 2 options, got {len(options)}")
+        if len(options) > MAX_OPTIONS:  # the reader's cost grows with the square of the options
+            raise InputError(path, where, "options", f"has {len(options):,} options; the limit is {MAX_OPTIONS}")
+        for i, o in enumerate(options):
+            check_length(path, where, f"options[{i}]", o, MAX_OPTION_CHARS)
         if len(set(options)) != len(options):
             raise InputError(path, where, "options", "has duplicate options")
         normal = [normalize_answer(o) for o in options]
@@ -144,7 +202,7 @@ def parse_query(path: Path, where: str, rec: dict, default_pool: str | None) -> 
     return Query(
         query_id=text_field(path, where, rec, "query_id", numbers=True),  # type: ignore[arg-type]
         pool_id=pool_id,  # type: ignore[arg-type]
-        question=text_field(path, where, rec, "question"),  # type: ignore[arg-type]
+        question=text_field(path, where, rec, "question", limit=MAX_QUESTION_CHARS),  # type: ignore[arg-type]
         answer=answer,  # type: ignore[arg-type]
         options=options,
         category=text_field(path, where, rec, "category", required=False, numbers=True),

@@ -9,6 +9,7 @@ from pathlib import Path
 from pipeline.errors import InputError
 from pipeline.store import writer
 from pipeline.store.outdir import REPORT, check_file_out
+from pipeline.text import safe
 
 
 def add_parsers(sub) -> None:
@@ -52,7 +53,8 @@ def cmd_report(args: argparse.Namespace) -> int:
         what = f"audit report, {stats['queries']} queries, {stats['figures']} query figures"
     out.parent.mkdir(parents=True, exist_ok=True)
     writer.write_bytes_atomic(out, text.encode("utf-8"))
-    print(f"meclear report: {what} -> {out} ({len(text.encode()) / 1e6:.1f} MB, {time.perf_counter() - t:.1f} s)")
+    print(f"meclear report: {safe(what)} -> {safe(out)} "
+          f"({len(text.encode()) / 1e6:.1f} MB, {time.perf_counter() - t:.1f} s)")
     return 0
 
 
@@ -68,5 +70,6 @@ def cmd_curate(args: argparse.Namespace) -> int:
     table = curate(args.run_dirs)
     write_curation(table, args.out)
     print_table(table, args.top)
-    print(f"\n  {table.num_rows} memories harmful at least once -> {args.out} (a proposal; the memory bank is untouched)")
+    print(f"\n  {table.num_rows} memories harmful at least once -> {safe(args.out)} "
+          "(a proposal; the memory bank is untouched)")
     return 0

@@ -16,6 +16,8 @@ from matplotlib.backends.backend_svg import FigureCanvasSVG  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from pipeline.text import safe  # noqa: E402
+
 # Text stays text (svg.fonttype none): a per-query figure is ~12 KB instead of ~60 KB with glyph paths, and the
 # fixed hash salt makes the output byte-identical across runs.
 RC = {"svg.fonttype": "none", "svg.hashsalt": "meclear", "font.size": 8, "axes.spines.top": False,
@@ -24,7 +26,9 @@ LABEL_ABBREV = {"substitution": "S", "complementarity": "C", "joint_interference
 
 
 def _plain(s: str, n: int = 18) -> str:
-    """A tick label: truncated, with `$` escaped so matplotlib does not read it as mathtext."""
+    """A tick label: control and bidi characters escaped (`safe`), truncated, with `$` escaped so matplotlib does not
+    read it as mathtext."""
+    s = safe(s)
     s = s if len(s) <= n else s[: n - 1] + "…"
     return s.replace("$", r"\$")
 
