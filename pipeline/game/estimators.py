@@ -57,6 +57,7 @@ class Attribution:
     stop: str  # "exact", "budget", "separation", "cap", "permutations", "fit", ...
     estimated: bool  # False only for exact enumeration
     method: str  # the estimator's name
+    draws: int = 0  # permutations drawn (0 for exact and the regression/surrogate estimators)
 
 
 class EstimatorRun(Protocol):
@@ -192,9 +193,9 @@ class _Run:
             raise RuntimeError("result() before the run is done: ask() until it returns no coalitions")
         return self._result
 
-    def attribution(self, values, se, stop: str, method: str, estimated: bool = True) -> Attribution:
+    def attribution(self, values, se, stop: str, method: str, estimated: bool = True, draws: int = 0) -> Attribution:
         return Attribution(np.asarray(values, dtype=np.float64), np.asarray(se, dtype=np.float64), self.evaluations,
-                           stop, estimated, method)
+                           stop, estimated, method, draws)
 
 
 class _Base:
@@ -310,7 +311,7 @@ class Permutation(_Base):
         if not len(perms):  # the budget holds only the anchors: LOO-scaled split of the total
             return _anchor_only(run, self.name)
         phi, se, _ = _mean_se(permutation_contributions(run.values, perms), self.antithetic)
-        return run.attribution(phi, se, stop, self.name)
+        return run.attribution(phi, se, stop, self.name, draws=len(perms))
 
 
 class Antithetic(Permutation):
@@ -358,11 +359,11 @@ class Adaptive(_Base):
         phi = pairs.mean(axis=0)
         if n < 2:
             return phi, np.zeros(phi.shape), n
-        var = pairs.var(axis=0, ddof=1)
+        sd = pairs.std(axis=0, ddof=1)
         if self.prior:
             span = float(np.ptp(run.values.stored)) if run.values.stored.size else 0.0
-            var = ((n - 1) * var + self.prior * span * span / 4) / (n - 1 + self.prior)
-        return phi, np.sqrt(var / n), n
+            sd = np.sqrt(((n - 1) * sd * sd + self.prior * span * span / 4) / (n - 1 + self.prior))
+        return phi, sd / np.sqrt(n), n  # sd / sqrt(n), as pipeline.game.adaptive.estimate computes it
 
     def _steps(self, run: _Run, rng: np.random.Generator) -> Steps:
         k = run.k
@@ -380,11 +381,11 @@ class Adaptive(_Base):
                 return _anchor_only(run, self.name)
             phi, se, _ = self._se(run, perms[:used])
             if used >= min(min_draws, limit) and bool(separated(phi, se, self.tau, self.z).all()):
-                return run.attribution(phi, se, "separation", self.name)
+                return run.attribution(phi, se, "separation", self.name, draws=used)
             if used >= limit:
                 stop = "cap" if limit == self.cap else "budget"
                 fit = shapley_least_squares(run.values, run.values.keys)
-                return run.attribution(fit, se, stop, self.name)
+                return run.attribution(fit, se, stop, self.name, draws=used)
             used = min(used + self.round_size, limit)
 
 
@@ -485,14 +486,13 @@ _REGISTRY: dict[str, Callable[..., _Base]] = {
     "kernelshap": KernelSHAP,
     "leverage": LeverageSHAP,
 }
-ESTIMATOR_NAMES: tuple[str, ...] = tuple(_REGISTRY)
+ESTIMATOR_NAMES: tuple[str, ...] = tuple(_REGISTRY) + ("contextcite", "proxyspex")
+SURROGATES = ("contextcite", "proxyspex")  # baselines behind the same contract (pipeline.game.surrogates)
 
 
 def register(name: str, factory: Callable[..., object]) -> None:
     """Add an estimator (the surrogate baselines register themselves from pipeline.game.surrogates)."""
-    global ESTIMATOR_NAMES
     _REGISTRY[name] = factory
-    ESTIMATOR_NAMES = tuple(_REGISTRY)
 
 
 def get_estimator(name: str, **options) -> Estimator:
