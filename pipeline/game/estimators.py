@@ -31,7 +31,17 @@ import numpy as np
 from pipeline.errors import ConfigError
 from pipeline.game.adaptive import DEFAULT_Z, separated
 from pipeline.game.attribution import permutation_contributions, shapley_exact, shapley_least_squares
-from pipeline.game.plan import ADAPTIVE_CAP, ADAPTIVE_ROUND, MAX_PLAYERS, full_mask, loo_coalitions, prefix_masks
+from pipeline.game.plan import (  # noqa: F401  (BudgetError, min_budget, check_budget: part of the contract)
+    ADAPTIVE_CAP,
+    ADAPTIVE_ROUND,
+    MAX_PLAYERS,
+    BudgetError,
+    check_budget,
+    full_mask,
+    loo_coalitions,
+    min_budget,
+    prefix_masks,
+)
 from pipeline.game.sparse import SparseTable
 
 EMPTY = np.zeros(0, dtype=np.int64)
@@ -78,15 +88,6 @@ class Estimator(Protocol):
     def start(self, k: int, budget: int, rng: np.random.Generator) -> EstimatorRun: ...
 
 
-class BudgetError(ConfigError):
-    """A budget an estimator cannot work with (too small for the method, or not an integer)."""
-
-
-def min_budget(k: int) -> int:
-    """The smallest useful budget: the empty set, the full context and the full context minus each memory."""
-    return k + 2
-
-
 # Coalitions kept back from the estimator for the clearance's checks. The clearance checks N minus each prefix of the
 # harmful ranking; N and N minus the top memory are anchors, so only |H| - 1 more can be needed. Harmful sets at K=10
 # on LoCoMo hold 1-3 memories, so 2 are kept back (never more than K - 2, never below the K+2 the estimator needs);
@@ -101,15 +102,6 @@ def split_budget(budget: int, k: int) -> int:
     check_budget(budget, k)
     reserve = min(CLEARANCE_RESERVE, max(k - 2, 0), budget - min_budget(k))
     return budget - reserve
-
-
-def check_budget(budget: object, k: int, where: str = "budget") -> int:
-    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)):
-        raise BudgetError(f"{where}={budget!r}: must be an integer count of agent evaluations per query")
-    if budget < min_budget(k):
-        raise BudgetError(f"{where}={budget} is below K+2 = {min_budget(k)} at K={k} (the empty set, the full context "
-                          "and the full context minus each memory)")
-    return int(budget)
 
 
 class CachedGame:
@@ -497,17 +489,9 @@ def register(name: str, factory: Callable[..., object]) -> None:
 
 def get_estimator(name: str, **options) -> Estimator:
     """The estimator `name` with `options` (constructor keywords). Unknown names and options are ConfigError."""
-    _load_surrogates()
     if name not in _REGISTRY:
         raise ConfigError(f"estimator {name!r} is unknown; allowed {tuple(_REGISTRY)}")
     try:
         return _REGISTRY[name](**options)
     except TypeError as err:
         raise ConfigError(f"estimator {name!r}: bad options {sorted(options)} ({err})") from err
-
-
-def _load_surrogates() -> None:
-    try:
-        import pipeline.game.surrogates  # noqa: F401  (registers contextcite and proxyspex)
-    except ImportError:  # pragma: no cover - the module is part of the package
-        pass

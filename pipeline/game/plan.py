@@ -32,6 +32,25 @@ ADAPTIVE_ROUND = 8  # permutations per round of the adaptive estimator (and the 
 MAX_PLAYERS = 20  # exact value tables are dense arrays of 2^K floats: 8 MiB at K=20
 
 
+class BudgetError(ConfigError):
+    """A budget an estimator cannot work with (too small for the method, or not an integer)."""
+
+
+def min_budget(k: int) -> int:
+    """The smallest useful budget: the empty set, the full context and the full context minus each memory."""
+    return k + 2
+
+
+def check_budget(budget: object, k: int, where: str = "budget") -> int:
+    """`budget` as an int: distinct agent evaluations per query, at least K+2 (pipeline.game.estimators)."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)):
+        raise BudgetError(f"{where}={budget!r}: must be an integer count of agent evaluations per query")
+    if budget < min_budget(k):
+        raise BudgetError(f"{where}={budget} is below K+2 = {min_budget(k)} at K={k} (the empty set, the full context "
+                          "and the full context minus each memory)")
+    return int(budget)
+
+
 def full_mask(k: int) -> int:
     return (1 << k) - 1
 
@@ -121,8 +140,6 @@ def make_plan(
     if estimator not in ESTIMATORS:
         raise ConfigError(f"game plan: estimator={estimator!r}; allowed {ESTIMATORS}")
     if budget:
-        from pipeline.game.estimators import check_budget  # estimators imports this module
-
         check_budget(budget, k)
         if estimator == "auto":
             estimator = auto_estimator(k, budget)

@@ -238,7 +238,7 @@ class _Surrogate(_Base):
     anchors = False
 
     def __init__(self, seed: int | None = None):
-        self.seed = seed  # unused by the draws (the rng given to start decides); kept so callers may pass it
+        self.seed = seed  # ProxySPEX: the trees' random_state (the masks come from the rng given to start)
 
     def start(self, k: int, budget: int, rng: np.random.Generator) -> _Run:
         if not 1 <= k <= MAX_PLAYERS:
