@@ -334,7 +334,7 @@ class Adaptive(_Base):
     name = "adaptive"
 
     def __init__(self, tau: float = 0.0, cap: int = ADAPTIVE_CAP, round_size: int = ADAPTIVE_ROUND,
-                 z: float = DEFAULT_Z, prior: float = 0.0, min_rounds: int = 1):
+                 z: float = DEFAULT_Z, prior: float = 0.0, min_rounds: int = 1, fallback: str = "fit"):
         if cap < 2 or cap % 2 or round_size < 2 or round_size % 2:
             raise ConfigError(f"adaptive: cap={cap}, round_size={round_size}; both must be even integers >= 2 "
                               "(antithetic pairs)")
@@ -342,7 +342,9 @@ class Adaptive(_Base):
             raise ConfigError(f"adaptive: z={z}, prior={prior}, tau={tau}, min_rounds={min_rounds}; need z > 0, "
                               "prior >= 0, tau >= 0, min_rounds >= 1")
         self.tau, self.cap, self.round_size, self.z = tau, cap, round_size, z
-        self.prior, self.min_rounds = prior, min_rounds
+        if fallback not in ("fit", "mean", "hybrid"):
+            raise ConfigError(f"adaptive: fallback={fallback!r}; allowed ('fit', 'mean', 'hybrid')")
+        self.prior, self.min_rounds, self.fallback = prior, min_rounds, fallback
 
     def _se(self, run: _Run, perms: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
         contrib = permutation_contributions(run.values, perms)
@@ -376,8 +378,11 @@ class Adaptive(_Base):
                 return run.attribution(phi, se, "separation", self.name, draws=used)
             if used >= limit:
                 stop = "cap" if limit == self.cap else "budget"
-                fit = shapley_least_squares(run.values, run.values.keys)
-                return run.attribution(fit, se, stop, self.name, draws=used)
+                if self.fallback != "mean":  # hybrid: the fit only where the mean was not separated
+                    fit = shapley_least_squares(run.values, run.values.keys)
+                    keep = separated(phi, se, self.tau, self.z) if self.fallback == "hybrid" else False
+                    phi = np.where(keep, phi, fit)
+                return run.attribution(phi, se, stop, self.name, draws=used)
             used = min(used + self.round_size, limit)
 
 
