@@ -36,25 +36,18 @@ TAU = 0.05
 MODES = ("probability", "correct")
 # (label, estimator, budget, options): the candidates compared; `budget` 0 = none (L decides, the paper's setting)
 CONFIGS = (
-    ("adaptive L96 (before)", "adaptive", 0, {"prior": 0.0}),
-    ("adaptive L96 prior=1", "adaptive", 0, {"prior": 1.0}),
-    ("adaptive L96 prior=2", "adaptive", 0, {"prior": 2.0}),
-    ("adaptive L96 prior=4", "adaptive", 0, {"prior": 4.0}),
-    ("adaptive B150 (before)", "adaptive", 150, {"prior": 0.0}),
-    ("adaptive B150 prior=1", "adaptive", 150, {"prior": 1.0}),
-    ("adaptive B150 prior=2", "adaptive", 150, {"prior": 2.0}),
-    ("adaptive B150 prior=4", "adaptive", 150, {"prior": 4.0}),
-    ("adaptive B128 prior=2", "adaptive", 128, {"prior": 2.0}),
+    ("adaptive L96, no budget", "adaptive", 0, {}),
+    ("adaptive L96 prior=0.3", "adaptive", 0, {"prior": 0.3}),
+    ("adaptive B150", "adaptive", 150, {}),
+    ("adaptive B128", "adaptive", 128, {}),
     ("permutation B128", "permutation", 128, {}),
     ("antithetic B128", "antithetic", 128, {}),
     ("kernelshap B128", "kernelshap", 128, {}),
     ("leverage B128", "leverage", 128, {}),
     ("contextcite B128", "contextcite", 128, {}),
+    ("adaptive B64", "adaptive", 64, {}),
     ("permutation B64", "permutation", 64, {}),
-    ("kernelshap B64", "kernelshap", 64, {}),
     ("leverage B64", "leverage", 64, {}),
-    ("adaptive B64 prior=2", "adaptive", 64, {"prior": 2.0}),
-    ("contextcite B64", "contextcite", 64, {}),
 )
 
 
