@@ -86,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "every estimator stays within it, clearances/ `evaluations` says what each query spent")
     a.add_argument("--adaptive-round", type=int, default=d.adaptive_round, help="adaptive: permutations per round (even)")
     a.add_argument("--adaptive-z", type=float, default=d.adaptive_z, help="adaptive: z of the confidence bound")
+    a.add_argument("--adaptive-prior", type=float, default=d.adaptive_prior,
+                   help="adaptive: pseudo-draws of prior variance (range^2/4) added to each memory's SE (0: off)")
     a.add_argument("--antithetic", action="store_true", default=d.antithetic, help="antithetic permutation pairs")
     a.add_argument("--tau", type=float, default=d.tau, help="harm tolerance: harmful when shapley < -tau")
     a.add_argument("--kappa", type=float, default=d.kappa, help="LOO screen: |loo| <= kappa is inconclusive")
@@ -157,6 +159,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
         agent_options=_agent_options(args), executor=args.executor, actors=args.actors,
         gpus_per_actor=args.gpus_per_actor, batch_size=args.batch_size, embed_actors=args.embed_actors,
         adaptive_round=args.adaptive_round, adaptive_z=args.adaptive_z, budget=args.budget,
+        adaptive_prior=args.adaptive_prior,
     )
     what = "the bundled sample pool" if inputs.is_sample else (args.locomo or ", ".join(args.memories or args.mem0))
     print(f"meclear audit: {safe(what)}; agent={config.agent}, K={config.top_k}, L={config.permutations}, "

@@ -30,7 +30,12 @@ import numpy as np
 
 from pipeline.errors import ConfigError
 from pipeline.game.adaptive import DEFAULT_Z, separated
-from pipeline.game.attribution import permutation_contributions, shapley_exact, shapley_least_squares
+from pipeline.game.attribution import (
+    permutation_contributions,
+    shapley_exact,
+    shapley_least_squares,
+    shapley_permutation,
+)
 from pipeline.game.plan import (  # noqa: F401  (BudgetError, min_budget, check_budget: part of the contract)
     ADAPTIVE_CAP,
     ADAPTIVE_ROUND,
@@ -216,16 +221,6 @@ def anchor_coalitions(k: int) -> np.ndarray:
     return np.union1d(loo_coalitions(k), [0]).astype(np.int64)
 
 
-def _mean_se(contrib: np.ndarray, antithetic: bool) -> tuple[np.ndarray, np.ndarray, int]:
-    """(phi, SE, draws) of permutation contributions; antithetic pairs are one draw. SE is NaN for one draw."""
-    if antithetic:
-        contrib = 0.5 * (contrib[0::2] + contrib[1::2])
-    n = contrib.shape[0]
-    phi = contrib.mean(axis=0)
-    se = contrib.std(axis=0, ddof=1) / np.sqrt(n) if n > 1 else np.full(phi.shape, np.nan)
-    return phi, se, n
-
-
 def _draw_permutations(k: int, n: int, rng: np.random.Generator, antithetic: bool) -> np.ndarray:
     """n permutations (n even if antithetic: each followed by its reverse). The same draws as
     `pipeline.game.plan.make_plan` for the same generator state, so the audit's former plans are reproduced."""
@@ -302,7 +297,7 @@ class Permutation(_Base):
         yield coalitions
         if not len(perms):  # the budget holds only the anchors: LOO-scaled split of the total
             return _anchor_only(run, self.name)
-        phi, se, _ = _mean_se(permutation_contributions(run.values, perms), self.antithetic)
+        phi, se = shapley_permutation(run.values, perms, self.antithetic)
         return run.attribution(phi, se, stop, self.name, draws=len(perms))
 
 
