@@ -257,3 +257,26 @@ def test_surrogates_behind_the_contract_match_the_benchmark_baselines(name):
     b = fn(10, lambda m: (game(m), np.zeros(len(m), dtype=bool)), masks=48, seed=3)
     np.testing.assert_allclose(a.values, b.attribution, atol=1e-12)
     assert a.values[0] < 0 and a.values[4] > 0  # the harmful pair and the helpful memory, by sign
+
+
+def test_auto_under_a_budget_enumerates_when_2k_fits_else_follows_the_utility_mode():
+    from pipeline.game.plan import make_plan
+
+    assert make_plan(10, budget=1024).estimator == "exact"
+    assert make_plan(10, budget=128, utility="probability").estimator == "kernelshap"
+    assert make_plan(10, budget=128, utility="correct").estimator == "permutation"
+    with pytest.raises(ConfigError, match="2\\^10"):
+        make_plan(10, estimator="exact", budget=1000)
+
+
+@pytest.mark.parametrize("bad", ["12.5", "3", "ten"])
+def test_cli_refuses_a_bad_budget_in_one_line(tmp_path, bad):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "pipeline.cli", "audit", "--executor", "local", "--dense", "off",
+                           "--budget", bad, "--out", str(tmp_path / "o"), "--no-progress"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert len(done.stderr.strip().splitlines()) == 1 and "budget" in done.stderr
+    assert not (tmp_path / "o").exists()
