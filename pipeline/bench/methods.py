@@ -4,9 +4,9 @@ Every method sees the case only through a counting oracle (`CachedOracle`) in on
 `evaluations` are the distinct coalitions it asked for, clearance checks included. The agent itself answers each
 coalition once per case (`CaseOutcomes`); both utility modes and all methods read from that table.
 
-- meclear_l{L}: L permutations forced (make_plan(..., estimator="permutation")), plus the LOO coalitions the plan
-  always holds; meclear_exact: all 2^K coalitions. Shapley values, harmful ranking (phi < -tau, ties by LOO), nested
-  verified clearance. Pairwise interactions are diagnostics in MeClear and do not enter the ranking or the clearance,
+- meclear_l{L}: the contract's permutation estimator with L permutations fixed (pipeline.game.estimators), plus the
+  LOO coalitions it always holds; meclear_exact: the contract's exact enumeration, all 2^K coalitions. Shapley
+  values, harmful ranking (phi < -tau, ties by LOO), nested verified clearance. Pairwise interactions are diagnostics in MeClear and do not enter the ranking or the clearance,
   so the benchmark does not compute them.
 - loo: rank by LOO effect, same nested clearance; loo_threshold: remove every memory with loo < -tau at once.
 - contextcite, proxyspex: `pipeline.bench.baselines`, same ranking rule (without LOO tie-break: it would cost
@@ -35,10 +35,9 @@ from pipeline.bench.builder import BenchCase
 from pipeline.bench.metrics import full_ranking
 from pipeline.bench.outcomes import CaseOutcomes
 from pipeline.errors import ConfigError
-from pipeline.game import harmful_ranking, make_plan, select_clearance, shapley_exact, shapley_permutation
-from pipeline.game.attribution import loo_effects
+from pipeline.game import harmful_ranking, select_clearance
 from pipeline.game.clearance import clearance_coalitions
-from pipeline.game.plan import DEFAULT_PERMUTATIONS, full_mask
+from pipeline.game.plan import full_mask, loo_coalitions
 from pipeline.game.sparse import SparseTable
 from pipeline.settings import DEFAULT_KAPPA, DEFAULT_TAU
 from pipeline.text import tokens
@@ -211,7 +210,8 @@ def _clear(k: int, ranking: np.ndarray, ev: CachedOracle,
            budget: int | None = None) -> tuple[tuple[int, ...], bool, float, float]:
     """Nested verified clearance over `ranking` (cut to what `budget` affords), evaluating its candidates through `ev`.
     Values are held sparsely: never a 2^K table."""
-    kept = clearance_coalitions(k, affordable(k, ranking, ev, budget))
+    ranking = affordable(k, ranking, ev, budget)
+    kept = clearance_coalitions(k, ranking)
     util, ok = ev(kept)
     values, correct = SparseTable(k), SparseTable(k, fill=False, dtype=bool)
     values[kept], correct[kept] = util, ok
@@ -247,13 +247,18 @@ def control(name: str, k: int, ev: CachedOracle, seed: int, faults: tuple[int, .
 
 
 def meclear(k: int, ev: CachedOracle, budget: int | None, seed: int, tau: float) -> Outcome:
-    """MeClear with L=budget forced permutations, or exact enumeration (budget None)."""
-    plan = make_plan(k, budget or DEFAULT_PERMUTATIONS, "exact" if budget is None else "permutation", seed=seed)
-    util, _ = ev(plan.coalitions)
-    values = np.full(1 << k, np.nan) if budget is None else SparseTable(k)  # sampled: never a 2^K table
-    values[plan.coalitions] = util
-    phi = shapley_exact(values) if budget is None else shapley_permutation(values, plan.permutations)[0]
-    return replace(_ranked(k, phi, ev, tau, plan.estimator, seed, loo_effects(values)), permutations=budget)
+    """MeClear with L=budget permutations (the contract's `permutation` estimator with L fixed, the paper's setting),
+    or exact enumeration (budget None); ranking ties broken by LOO, whose coalitions both always evaluate."""
+    from pipeline.game.estimators import get_estimator
+
+    if budget is None:
+        est, cap = get_estimator("exact"), 1 << k
+    else:  # L permutations touch at most L*(K-1)+2 prefixes, plus the K LOO coalitions
+        est, cap = get_estimator("permutation", permutations=budget), min(1 << k, budget * (k - 1) + 2 + k)
+    attr = est.estimate(OracleGame(k, ev), cap, np.random.default_rng(seed))
+    util, _ = ev(loo_coalitions(k))  # already evaluated: no new agent call
+    out = _ranked(k, attr.values, ev, tau, "exact" if budget is None else "permutation", seed, util[0] - util[1:])
+    return replace(out, permutations=budget)
 
 
 class OracleGame:
@@ -274,8 +279,30 @@ def budgeted(method: Method, k: int, ev: CachedOracle, seed: int, tau: float) ->
     from pipeline.game.estimators import get_estimator, split_budget
 
     name = method.estimator or method.family
-    attr = get_estimator(name).estimate(OracleGame(k, ev), split_budget(method.evals, k), np.random.default_rng(seed))
-    return _ranked(k, np.asarray(attr.values, dtype=np.float64), ev, tau, name, seed, budget=method.evals)
+    spend, rng = split_budget(method.evals, k), np.random.default_rng(seed)
+    if name in BASELINE_ESTIMATORS and not _in_contract(name):
+        values = _surrogate(name, k, ev, spend, seed)
+    else:
+        options = {"tau": tau} if name == "adaptive" else {}  # the audit's adaptive stops on separation from -tau
+        values = get_estimator(name, **options).estimate(OracleGame(k, ev), spend, rng).values
+    return _ranked(k, np.asarray(values, dtype=np.float64), ev, tau, name, seed, budget=method.evals)
+
+
+def _in_contract(name: str) -> bool:
+    from pipeline.game.estimators import get_estimator
+
+    try:
+        get_estimator(name)
+    except ConfigError:
+        return False
+    return True
+
+
+def _surrogate(name: str, k: int, ev: CachedOracle, spend: int, seed: int) -> np.ndarray:
+    """Thin adapter while the contract lacks ContextCite/ProxySPEX (branch `estimators` moves them behind it): the
+    released baselines with `spend` random ablations, which is at most `spend` distinct evaluations."""
+    fn = context_cite if name == "contextcite" else proxyspex
+    return fn(k, ev, spend, seed=seed).attribution
 
 
 def _lexical_relevance(question: str, texts: tuple[str, ...]) -> np.ndarray:
