@@ -79,10 +79,15 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--top-k", type=int, default=d.top_k, help="retrieval budget K (players per case)")
     a.add_argument("--permutations", type=int, default=field_default(AuditConfig, "permutations"), help="permutation budget L (0: 16; with --estimator adaptive, the cap 96)")
     a.add_argument("--estimator", choices=ESTIMATORS, default=d.estimator,
-                   help="Shapley estimator (auto: exact for small K); adaptive: antithetic permutation pairs in rounds until every Shapley value is "
+                   help="Shapley estimator (auto: exact for small K; with --budget, exact if 2^K fits, else the measured best sampled one); adaptive: antithetic permutation pairs in rounds until every Shapley value is "
                         "separated from -tau (|phi+tau| > z*SE), at most --permutations (even)")
+    a.add_argument("--budget", type=_count_or_text, default=d.budget,
+                   help="distinct agent evaluations per query, clearance checks included (0: none; at least K+2); "
+                        "every estimator stays within it, clearances/ `evaluations` says what each query spent")
     a.add_argument("--adaptive-round", type=int, default=d.adaptive_round, help="adaptive: permutations per round (even)")
     a.add_argument("--adaptive-z", type=float, default=d.adaptive_z, help="adaptive: z of the confidence bound")
+    a.add_argument("--adaptive-prior", type=float, default=d.adaptive_prior,
+                   help="adaptive: pseudo-draws of prior variance (range^2/4) added to each memory's SE (0: off)")
     a.add_argument("--antithetic", action="store_true", default=d.antithetic, help="antithetic permutation pairs")
     a.add_argument("--tau", type=float, default=d.tau, help="harm tolerance: harmful when shapley < -tau")
     a.add_argument("--kappa", type=float, default=d.kappa, help="LOO screen: |loo| <= kappa is inconclusive")
@@ -108,6 +113,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--agent-option", action="append", default=[], metavar="KEY=VALUE", help="extra agent setting")
     p.set_defaults(func=cmd_probe)
     return parser
+
+
+def _count_or_text(text: str) -> int | str:
+    """An integer, or the text itself, so the settings' validation reports a bad count in its one line (exit 2)
+    rather than argparse's usage block."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
@@ -144,10 +158,12 @@ def cmd_audit(args: argparse.Namespace) -> int:
         tau=args.tau, kappa=args.kappa, seed=args.seed, utility=args.utility, dense=args.dense, agent=args.agent,
         agent_options=_agent_options(args), executor=args.executor, actors=args.actors,
         gpus_per_actor=args.gpus_per_actor, batch_size=args.batch_size, embed_actors=args.embed_actors,
-        adaptive_round=args.adaptive_round, adaptive_z=args.adaptive_z,
+        adaptive_round=args.adaptive_round, adaptive_z=args.adaptive_z, budget=args.budget,
+        adaptive_prior=args.adaptive_prior,
     )
     what = "the bundled sample pool" if inputs.is_sample else (args.locomo or ", ".join(args.memories or args.mem0))
     print(f"meclear audit: {safe(what)}; agent={config.agent}, K={config.top_k}, L={config.permutations}, "
+          f"budget={config.budget or 'none'}, estimator={config.estimator}, "
           f"utility={config.utility}")
     t = time.perf_counter()
     result = audit(inputs, config, args.out, progress=not args.no_progress, reuse=args.reuse)

@@ -64,6 +64,7 @@ class AuditResult:
     imported: int = 0  # of `reused`, rows copied from --reuse folders
     failed: int = 0  # cases that went to errors/ (the exit code is then non-zero)
     errors: list[dict] = field(repr=False, default_factory=list)  # the first few error rows; all are in errors/
+    total_evaluations: int = 0  # the clearances' `evaluations` summed: what every query spent, reused included
     summary: ClearanceSummary | None = field(repr=False, default=None)
     peak_cases_in_flight: int = 0  # most cases in flight at once (bounded by the window)
     window: int = 0
@@ -170,6 +171,7 @@ class _Evaluation:
         self.errors: list[dict] = []  # the first few error rows, for the CLI summary; all are in errors/
         self.admitted = self.finished = self.failed = self.harmful = self.cases_with_harm = self.failing = 0
         self.max_evaluations = 0
+        self.total_evaluations = 0  # distinct coalitions per query, summed (what the queries spent, reused included)
         self.reused = 0
         self.first_case_s: float | None = None  # seconds from the start of the loop to the first case admitted
         self._pending: deque[tuple[Query, FrozenContext]] = deque()  # the current pool's cases not yet admitted
@@ -228,7 +230,8 @@ class _Evaluation:
             query, context = pair
             case = Case(query, context, case_seed(c.seed, query.pool_id, query.query_id))
             ci, self.admitted = self.admitted, self.admitted + 1
-            plan = make_plan(case.k, c.permutations, c.estimator, c.antithetic, case.seed, c.adaptive_round)
+            plan = make_plan(case.k, c.permutations, c.estimator, c.antithetic, case.seed, c.adaptive_round, c.budget,
+                             c.adaptive_prior)
             prev = self.previous.get((query.pool_id, query.query_id, context.context_hash))
             if prev is not None:
                 self.reused += len(prev[0])
@@ -261,11 +264,13 @@ class _Evaluation:
         self.cases_with_harm += c.harmful > 0
         self.failing += not c.baseline_correct
         self.max_evaluations = max(self.max_evaluations, c.evaluations)
+        self.total_evaluations += c.evaluations
 
 
 def _plan_size(c: AuditConfig) -> int:
     """First-pass coalitions of a case with K = top_k (what sizes the window; a pool smaller than K gives less)."""
-    return make_plan(c.top_k, c.permutations, c.estimator, c.antithetic, 0, c.adaptive_round).n_coalitions
+    return make_plan(c.top_k, c.permutations, c.estimator, c.antithetic, 0, c.adaptive_round, c.budget,
+                     c.adaptive_prior).n_coalitions
 
 
 def _open_run(out: Path, config: AuditConfig, agent_fp: str,
@@ -373,6 +378,7 @@ def run_audit(
         evaluated=utilities.written,
         reused=ev.reused,
         max_evaluations=ev.max_evaluations,
+        total_evaluations=ev.total_evaluations,
         timings=timings,
         clearances=ev.summary.rows,
         failed=ev.failed,
@@ -410,6 +416,8 @@ def _manifest(result: AuditResult, config: AuditConfig, agent_fp: str, retrieval
             "coalitions_reused": result.reused,
             "coalitions_imported_from_reuse": result.imported,
             "max_evaluations_per_case": result.max_evaluations,
+            "evaluations_all_queries": result.total_evaluations,  # per query: clearances/ `evaluations`
+            "budget_per_query": config.budget or None,
             "failed_cases": result.failed,
         },
         "timings": result.timings,

@@ -293,7 +293,7 @@ def run_cases(agent: Agent, tasks: list[CaseTask], s: CaseSettings) -> CasesDone
     reused makes no agent call and is only reduced here."""
     states: dict[int, CaseState] = {}
     for t in tasks:
-        st = CaseState(t.case, t.plan)
+        st = CaseState(t.case, t.plan, s.tau, s.adaptive_z)
         if t.reused is not None:
             st.record(*t.reused)
         states[t.case_index] = st

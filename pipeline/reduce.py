@@ -16,12 +16,11 @@ from pipeline.game import (
     interactions_from_evaluated,
     loo_effects,
     select_clearance,
-    shapley_exact,
-    shapley_least_squares,
-    shapley_permutation,
 )
-from pipeline.game.adaptive import DEFAULT_Z, estimate, stop_reason
+from pipeline.game.adaptive import DEFAULT_Z
 from pipeline.game.clearance import Clearance
+from pipeline.game.estimators import SURROGATES, Estimator, EstimatorRun, get_estimator, split_budget
+from pipeline.game.plan import loo_coalitions, sampled_touch_bound
 from pipeline.game.sparse import SparseTable
 
 # A value table: dense (exact plans, 2^K floats) or sparse (sampled plans: only the coalitions evaluated).
@@ -31,49 +30,34 @@ ValueTable = np.ndarray | SparseTable
 @dataclass
 class CaseState:
     """What is known about one case while its coalitions are evaluated (in the worker that runs it,
-    `pipeline.evaluate.run_cases`)."""
+    `pipeline.evaluate.run_cases`). The Shapley estimate comes from the estimator contract
+    (`pipeline.game.estimators`) in its ask/tell form: the worker batches every case's asks into one agent call."""
 
     case: Case
     plan: GamePlan
+    tau: float = 0.0  # the harm threshold (the adaptive estimator's stopping rule needs it)
+    z: float = DEFAULT_Z
     values: ValueTable = field(init=False)  # NaN = not evaluated
     correct: ValueTable = field(init=False)
     answers: dict[int, str] = field(default_factory=dict)  # coalition -> the agent's answer
     phi: np.ndarray | None = None
     se: np.ndarray | None = None
     ranking: np.ndarray | None = None
-    used: int = 0  # adaptive: permutations in play so far (rounds planned); otherwise the plan's L
-    stop: str | None = None  # adaptive: "separation" or "cap" once it stopped
+    clear_ranking: np.ndarray | None = None  # the ranking's prefix the clearance checks (all of it, budget allowing)
+    used: int = 0  # permutations drawn (0 for exact and the regression/surrogate estimators)
+    stop: str | None = None  # why the estimator stopped (pipeline.game.estimators.Attribution.stop)
+    run: EstimatorRun = field(init=False, repr=False)
+    anchors: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         k = self.case.k
         if self.plan.estimator == "exact":  # every coalition is evaluated: a dense array is the smallest table
             self.values, self.correct = np.full(1 << k, np.nan), np.zeros(1 << k, dtype=bool)
-        else:  # sampled: at most L*(K-1)+2 of the 2^K coalitions (pipeline.game.sparse)
+        else:  # sampled: only what the estimator asks (pipeline.game.sparse)
             self.values, self.correct = SparseTable(k), SparseTable(k, fill=False, dtype=bool)
-        adaptive = self.plan.estimator == "adaptive"
-        self.used = min(self.plan.round_size, self.plan.budget) if adaptive else len(self.plan.permutations)
-
-    def plan_coalitions(self) -> np.ndarray:
-        """The first-pass coalitions planned so far (an adaptive case's grow round by round)."""
-        if self.plan.estimator == "adaptive":
-            return self.plan.round_coalitions(self.used)
-        return self.plan.coalitions
-
-    def next_round(self, tau: float, z: float = DEFAULT_Z) -> np.ndarray:
-        """Adaptive only, once the planned rounds are evaluated: stop (returns no coalitions; `stop` says why) or add
-        rounds of permutations until one needs coalitions not yet evaluated, and return those."""
-        plan = self.plan
-        empty = np.zeros(0, dtype=np.int64)
-        if plan.estimator != "adaptive":
-            return empty
-        while self.stop is None:
-            phi, se, _ = estimate(self.values, plan.permutations[: self.used], plan.antithetic)
-            self.stop = stop_reason(phi, se, tau, self.used, plan.budget, plan.round_size, z)
-            if self.stop is None:
-                self.used = min(self.used + plan.round_size, plan.budget)
-                if len(need := self.missing(plan.round_coalitions(self.used))):
-                    return need
-        return empty
+        estimator, budget = plan_estimator(self.plan, self.tau, self.z)
+        self.anchors = estimator.anchors
+        self.run = estimator.start(k, budget, np.random.default_rng(self.plan.seed))
 
     def record(self, masks: np.ndarray, utility: np.ndarray, correct: np.ndarray, answers=None) -> None:
         self.values[masks] = utility
@@ -85,6 +69,14 @@ class CaseState:
         masks = np.unique(np.asarray(masks, dtype=np.int64))
         return masks[np.isnan(self.values[masks])]
 
+    def estimator_needs(self) -> np.ndarray:
+        """Tell the estimator every value it asked for that is in; return what it still needs (empty: it is done)."""
+        while len(ask := self.run.ask()):
+            if len(need := self.missing(ask)):
+                return need
+            self.run.tell(ask, self.values[ask])
+        return ask
+
     @property
     def evaluations(self) -> int:
         stored = self.values.stored if isinstance(self.values, SparseTable) else self.values
@@ -93,7 +85,34 @@ class CaseState:
     @property
     def complete(self) -> bool:
         """Attributed, and every coalition its clearance needs is in: ready for `finalize`."""
-        return self.ranking is not None and not len(self.missing(clearance_coalitions(self.plan.k, self.ranking)))
+        return self.clear_ranking is not None and not len(
+            self.missing(clearance_coalitions(self.plan.k, self.clear_ranking)))
+
+
+def plan_estimator(plan: GamePlan, tau: float, z: float) -> tuple[Estimator, int]:
+    """The contract's estimator for a planned case, and the budget it may spend.
+
+    With a per-query budget (`plan.eval_budget`, clearance checks included) the estimator gets
+    `split_budget(budget, K)`; a surrogate, which does not ask the LOO coalitions itself, K+1 fewer (the audit
+    evaluates them for its `loo` column). Without one (the paper's setting) the permutation estimators draw exactly
+    `plan.budget` = L permutations, adaptive at most L, and the regression estimators as many coalitions as L
+    permutations could touch, L*(K-1)+2 (never above 2^K)."""
+    k, est = plan.k, plan.estimator
+    opts: dict = {}
+    if est == "permutation" and plan.antithetic:
+        est = "antithetic"
+    if est in ("permutation", "antithetic") and not plan.eval_budget:
+        opts = {"permutations": plan.budget}
+    elif est == "adaptive":
+        opts = {"tau": tau, "z": z, "cap": plan.budget, "round_size": plan.round_size, "prior": plan.prior}
+    elif est in SURROGATES:
+        opts = {"seed": plan.seed}
+    estimator = get_estimator(est, **opts)
+    if plan.eval_budget:
+        budget = split_budget(plan.eval_budget, k)
+        return estimator, budget if estimator.anchors else max(budget - (k + 1), 1)
+    return estimator, 1 << k if est in ("exact", "permutation", "antithetic", "adaptive") else min(
+        sampled_touch_bound(k, plan.budget), 1 << k)
 
 
 @dataclass(frozen=True)
@@ -106,15 +125,14 @@ class Need:
 
 
 def advance(state: CaseState, tau: float, z: float) -> Need | None:
-    """Move a case forward after new values arrived: its plan, then (adaptive) further rounds, then attribution and
-    the clearance's second pass. Returns the coalitions it needs next, or None: it is then `complete`."""
+    """Move a case forward after new values arrived: the estimator's asks (all of them at once, or round by round for
+    the adaptive estimator), the LOO coalitions, then attribution and the clearance's second pass. Returns the
+    coalitions it needs next, or None: it is then `complete`."""
     if state.phi is not None:
         return None
-    if len(need := state.missing(state.plan_coalitions())):
+    if len(need := state.estimator_needs()):
         return Need(need, "plan")
-    # Adaptive estimator: rounds of permutations. When a round is in, the case either stops (next_round returns
-    # nothing) or asks for the next round's missing prefixes; everything after (attribute, clearance) is unchanged.
-    if len(need := state.next_round(tau, z)):
+    if len(need := state.missing(loo_coalitions(state.plan.k))):  # only a surrogate leaves any (it asks no LOO)
         return Need(need, "plan")
     if len(need := attribute(state, tau)):
         return Need(need, "clearance")
@@ -122,18 +140,22 @@ def advance(state: CaseState, tau: float, z: float) -> Need | None:
 
 
 def attribute(state: CaseState, tau: float) -> np.ndarray:
-    """Shapley values (and SEs) from the plan's coalitions; returns the coalitions the clearance still needs."""
+    """Shapley values (and SEs) from the estimator; returns the coalitions the clearance still needs.
+
+    Under a budget the clearance checks the longest prefix of the harmful ranking whose candidates fit what is left
+    (candidates are nested: N minus the top 1, 2, ... memories); the attribution rows keep the whole ranking."""
     plan = state.plan
-    if plan.estimator == "exact":
-        state.phi, state.se = shapley_exact(state.values), np.zeros(plan.k)
-    elif plan.estimator == "adaptive":
-        state.phi, state.se, _ = estimate(state.values, plan.permutations[: state.used], plan.antithetic)
-        if state.stop == "cap":  # not separated: report the fit to every evaluated coalition (pipeline.game.adaptive)
-            state.phi = shapley_least_squares(state.values, plan.round_coalitions(state.used))
-    else:
-        state.phi, state.se = shapley_permutation(state.values, plan.permutations, plan.antithetic)
+    result = state.run.result()
+    state.phi, state.se, state.used, state.stop = result.values, result.se, result.draws, result.stop
     state.ranking = harmful_ranking(state.phi, tau, loo_effects(state.values))
-    return state.missing(clearance_coalitions(plan.k, state.ranking))
+    state.clear_ranking = state.ranking
+    if plan.eval_budget:
+        left = plan.eval_budget - state.evaluations
+        for n in range(len(state.ranking), -1, -1):
+            if len(state.missing(clearance_coalitions(plan.k, state.ranking[:n]))) <= left:
+                state.clear_ranking = state.ranking[:n]
+                break
+    return state.missing(clearance_coalitions(plan.k, state.clear_ranking))
 
 
 def no_clearance_reason(result: Clearance, harmful: int) -> str | None:
@@ -192,6 +214,9 @@ def finalize(state: CaseState, run_id: str, tau: float, kappa: float) -> CaseRow
     assert state.phi is not None and state.se is not None and state.ranking is not None
     loo = loo_effects(state.values)
     rank_of = {int(p): r + 1 for r, p in enumerate(state.ranking)}
+    # The paper's settings (exact; L fixed permutations) keep a null stop reason, as their rows always had.
+    legacy = not plan.eval_budget and plan.estimator in ("exact", "permutation")
+    stop_reason = None if legacy else state.stop
     base = {"run_id": run_id, "pool_id": q.pool_id, "query_id": q.query_id}
     attributions = [
         {
@@ -205,8 +230,8 @@ def finalize(state: CaseState, run_id: str, tau: float, kappa: float) -> CaseRow
             "harmful": i in rank_of,
             "rank": rank_of.get(i),
             "estimator": plan.estimator,
-            "permutations": 0 if plan.estimator == "exact" else state.used,
-            "stop_reason": state.stop,
+            "permutations": state.used,
+            "stop_reason": stop_reason,
         }
         for i in range(plan.k)
     ]
@@ -230,7 +255,7 @@ def finalize(state: CaseState, run_id: str, tau: float, kappa: float) -> CaseRow
         for i in range(plan.k)
         for j in range(i + 1, plan.k)
     ]
-    result = select_clearance(plan.k, state.ranking, state.values, state.correct)
+    result = select_clearance(plan.k, state.clear_ranking, state.values, state.correct)
     full = (1 << plan.k) - 1
     clearance = ClearanceRow(
         run_id=run_id,

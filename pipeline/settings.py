@@ -16,7 +16,7 @@ from typing import Any
 from pipeline.agents import AGENTS, AgentSpec
 from pipeline.agents.utility import UTILITY_MODES
 from pipeline.game.adaptive import DEFAULT_Z
-from pipeline.game.plan import ADAPTIVE_CAP, ADAPTIVE_ROUND, DEFAULT_PERMUTATIONS, ESTIMATORS
+from pipeline.game.plan import ADAPTIVE_CAP, ADAPTIVE_PRIOR, ADAPTIVE_ROUND, DEFAULT_PERMUTATIONS, ESTIMATORS
 from pipeline.retrieval import DEFAULT_TOP_K, check_dense, check_top_k
 from pipeline.validation import check
 
@@ -95,10 +95,14 @@ class AuditConfig(RunSettings):
     batch_size: int = 256  # coalitions per actor task (whole cases are never split across tasks)
     adaptive_round: int = ADAPTIVE_ROUND  # estimator "adaptive": permutations per round; `permutations` is the cap
     adaptive_z: float = DEFAULT_Z  # estimator "adaptive": stop when |phi + tau| > z * SE for every memory
+    adaptive_prior: float = ADAPTIVE_PRIOR  # estimator "adaptive": variance pseudo-draws (pipeline.game.estimators)
+    # Distinct agent evaluations per query, clearance checks included (pipeline.game.estimators.split_budget); 0: no
+    # budget, the paper's setting (`permutations` decides). With a budget `permutations` is only the adaptive cap.
+    budget: int = 0
 
     def __post_init__(self) -> None:
         w = "audit config"
-        for name in ("top_k", "permutations", "batch_size", "embed_actors"):  # YAML `true` is no count
+        for name in ("top_k", "permutations", "batch_size", "embed_actors", "budget"):  # YAML `true` is no count
             check_integer(getattr(self, name), w, name)
         self.check_run_settings(w)
         if self.permutations == 0:
@@ -110,6 +114,14 @@ class AuditConfig(RunSettings):
               f"exact is allowed up to top_k={MAX_EXACT_K}, use estimator 'auto' or 'permutation' above")
         check(self.permutations >= 1, w, f"permutations={self.permutations!r}; must be >= 1 (0: the estimator's default)")
         check(self.estimator in ESTIMATORS, w, f"estimator={self.estimator!r}; allowed {ESTIMATORS}")
+        check(self.budget == 0 or self.budget >= self.top_k + 2, w,
+              f"budget={self.budget}; must be 0 (none) or at least top_k+2 = {self.top_k + 2} agent evaluations per "
+              "query (the empty set, the full context and the full context minus each memory)")
+        check(self.budget == 0 or self.estimator != "exact" or self.budget >= 1 << self.top_k, w,
+              f"estimator='exact' with budget={self.budget} at top_k={self.top_k}: exact needs 2^{self.top_k} = "
+              f"{1 << self.top_k:,} evaluations per query; raise the budget or use estimator 'auto'")
+        check(isinstance(self.adaptive_prior, (int, float)) and self.adaptive_prior >= 0, w,
+              f"adaptive_prior={self.adaptive_prior!r}; must be >= 0")
         pairs = self.antithetic or self.estimator == "adaptive"  # adaptive always draws antithetic pairs
         check(not pairs or self.permutations % 2 == 0, w,
               f"permutations={self.permutations!r}; antithetic sampling (always on with estimator 'adaptive') needs an even number")

@@ -15,9 +15,9 @@ from pipeline.errors import ConfigError
 from pipeline.evaluate import AgentWorker
 from pipeline.pools import LocalPool
 from pipeline.game import make_plan, shapley_exact, shapley_least_squares
-from pipeline.game.adaptive import estimate, separated, stop_reason
+from pipeline.game.adaptive import DEFAULT_Z, estimate, separated, stop_reason
 from pipeline.io.records import Query
-from pipeline.reduce import CaseState, attribute
+from pipeline.reduce import CaseState, advance
 from pipeline.retrieval import FrozenContext
 
 
@@ -35,14 +35,11 @@ def run_case(values, permutations=64, round_size=8, tau=0.25, seed=0):
     ctx = FrozenContext("p", "q", tuple(f"m{i}" for i in range(k)), ("t",) * k, (0.0,) * k, tuple(range(1, k + 1)),
                         (None,) * k, "h")
     st = CaseState(Case(Query("q", "p", "?", "a", ("a", "b")), ctx, seed),
-                   make_plan(k, permutations, "adaptive", seed=seed, round_size=round_size))
+                   make_plan(k, permutations, "adaptive", seed=seed, round_size=round_size), tau)
     asked = []
-    need = st.missing(st.plan_coalitions())
-    while len(need):
-        asked.append(len(need))
-        st.record(need, values[need], np.zeros(len(need), dtype=bool))
-        need = st.next_round(tau)
-    attribute(st, tau)
+    while (need := advance(st, tau, DEFAULT_Z)) is not None and need.stage == "plan":
+        asked.append(len(need.masks))
+        st.record(need.masks, values[need.masks], np.zeros(len(need.masks), dtype=bool))
     return st, asked
 
 

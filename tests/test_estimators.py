@@ -186,3 +186,74 @@ def test_adaptive_stops_by_separation_and_the_prior_only_adds_draws():
         np.testing.assert_array_equal(plain.values < -0.05, phi < -0.05)
         np.testing.assert_array_equal(guarded.values < -0.05, phi < -0.05)
         assert guarded.evaluations >= plain.evaluations  # a floor on the variance can only delay the stop
+
+
+# --------------------------------------------------------------------------------- through the audit (ask/tell)
+@pytest.fixture(scope="module")
+def budget_audit(tmp_path_factory):
+    """The sample pool audited at K=8 with a budget of 40 evaluations per query, once per estimator."""
+    from pipeline.audit import AuditConfig, InputSpec, run_audit
+    from pipeline.evaluate import AgentWorker
+    from pipeline.pools import LocalPool
+
+    pools, queries, files = InputSpec().load()
+    out = {}
+    for name in ("adaptive", "kernelshap", "leverage", "permutation"):
+        cfg = AuditConfig(executor="local", dense="off", estimator=name, top_k=8, budget=40)
+        folder = tmp_path_factory.mktemp(name)
+        run_audit(pools, queries, cfg, folder, LocalPool(AgentWorker(cfg.agent_spec)), f"reader-{name}", files,
+                  progress=False)
+        out[name] = (cfg, folder)
+    return out
+
+
+@pytest.mark.parametrize("name", ("adaptive", "kernelshap", "leverage", "permutation"))
+def test_audit_spends_at_most_the_budget_per_query_and_records_it(budget_audit, name):
+    import polars as pl
+
+    _, folder = budget_audit[name]
+    cl = pl.read_parquet(folder / "clearances")
+    util = pl.read_parquet(folder / "utilities")
+    spent = util.group_by("query_id").len()
+    joined = cl.select("query_id", "evaluations").join(spent, on="query_id")
+    assert joined.height == cl.height > 0
+    assert (joined["evaluations"] == joined["len"]).all()  # the row says what the query really cost
+    assert cl["evaluations"].max() <= 40
+
+
+@pytest.mark.parametrize("name", ("adaptive", "kernelshap", "leverage"))
+def test_audit_and_estimate_give_identical_attributions(budget_audit, name):
+    """For each case, estimate() over the values the audit evaluated, with the case's seed and the audit's share of
+    the budget, gives exactly the audit's Shapley values (the audit batches the same runs through ask/tell)."""
+    import polars as pl
+
+    from pipeline.cases import case_seed
+
+    cfg, folder = budget_audit[name]
+    util = pl.read_parquet(folder / "utilities")
+    att = pl.read_parquet(folder / "attributions").sort("position")
+    for (pool_id, query_id), rows in list(att.group_by(["pool_id", "query_id"]))[:6]:
+        u = util.filter((pl.col("pool_id") == pool_id) & (pl.col("query_id") == query_id))
+        known = dict(zip(u["coalition"].to_list(), u["utility"].to_list()))
+        k = rows.height
+        game = CachedGame(k, lambda m: np.array([known[int(x)] for x in m]))
+        opts = {"tau": cfg.tau, "z": cfg.adaptive_z, "cap": cfg.permutations, "round_size": cfg.adaptive_round,
+                "prior": cfg.adaptive_prior} if name == "adaptive" else {}
+        a = get_estimator(name, **opts).estimate(game, split_budget(cfg.budget, k),
+                                                 np.random.default_rng(case_seed(cfg.seed, pool_id, query_id)))
+        np.testing.assert_array_equal(a.values, rows["shapley"].to_numpy())
+        assert rows["stop_reason"][0] == a.stop
+
+
+@pytest.mark.parametrize("name", ("contextcite", "proxyspex"))
+def test_surrogates_behind_the_contract_match_the_benchmark_baselines(name):
+    pytest.importorskip("sklearn")
+    from pipeline.bench import baselines
+
+    game, _ = unanimity(10, [((0, 1), -1.0), ((4,), 0.5), ((7, 8), 0.25)])
+    a = get_estimator(name, seed=3).estimate(game, 48, np.random.default_rng(3))  # seed: the trees' random_state
+    assert a.evaluations == game.evaluations <= 48 and a.method == name and a.stop == "fit"
+    fn = baselines.context_cite if name == "contextcite" else baselines.proxyspex
+    b = fn(10, lambda m: (game(m), np.zeros(len(m), dtype=bool)), masks=48, seed=3)
+    np.testing.assert_allclose(a.values, b.attribution, atol=1e-12)
+    assert a.values[0] < 0 and a.values[4] > 0  # the harmful pair and the helpful memory, by sign

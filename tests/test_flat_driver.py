@@ -121,7 +121,7 @@ def test_sampled_plans_store_only_their_coalitions_and_estimate_as_dense(k):
     st = CaseState(Case(Query("q", "p", "?", "a", ("a", "b")), ctx, 3), plan)
     assert isinstance(st.values, SparseTable)
     v = np.random.default_rng(1).random(1 << k)
-    need = st.missing(st.plan_coalitions())
+    need = st.estimator_needs()
     st.record(need, v[need], np.zeros(len(need), dtype=bool))
     assert st.values.nbytes == 16 * len(np.unique(need)) <= 16 * (16 * (k - 1) + 2)  # only the plan's coalitions
     if k == 12:

@@ -15,26 +15,35 @@ harmful, and the number of distinct coalitions it evaluated. Rankings and cleara
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipeline.errors import MeClearError, MissingDependencyError
+from pipeline.errors import MissingDependencyError
 from pipeline.game.plan import MAX_PLAYERS, full_mask, loo_coalitions
+from pipeline.game.surrogates import (  # noqa: F401  (the arithmetic lives in the game core; names kept for callers)
+    CONTEXTCITE_ALPHA,
+    SurrogateError,
+    DEFAULT_MASKS,
+    LOGIT_CLIP,
+    contextcite_fit,
+    fourier_basis,
+    fourier_moebius,
+    fourier_shapley,
+    keep_indicators,
+    logit,
+    moebius_pair_interactions,
+    proxyspex_fourier,
+    random_masks,
+    tree_fourier,
+)
 
 Oracle = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
 
-DEFAULT_MASKS = 64
-# ContextCite's released solver fits sklearn's Lasso with alpha=0.01 on standardised ablation indicators.
-CONTEXTCITE_ALPHA = 0.01
 
 
-class BaselineError(MeClearError, ValueError):
-    """A baseline got an invalid option or an oracle answer of the wrong shape."""
-
-    exit_code = 2
+BaselineError = SurrogateError  # one error for the baselines and their arithmetic (pipeline.game.surrogates)
 
 
 @dataclass(frozen=True)
@@ -98,18 +107,6 @@ class CachedOracle:
         return util, ok
 
 
-def random_masks(k: int, n: int, rng: np.random.Generator) -> np.ndarray:
-    """n coalitions, each memory kept independently with probability 1/2 (uniform over all 2^K coalitions)."""
-    if n < 1:
-        raise BaselineError(f"number of random masks n={n}; must be >= 1")
-    return rng.integers(0, 1 << k, size=n, dtype=np.int64)
-
-
-def keep_indicators(masks: np.ndarray, k: int) -> np.ndarray:
-    """(n, K) float64 matrix, column i = 1 where memory i is kept."""
-    return ((np.asarray(masks, dtype=np.int64)[:, None] >> np.arange(k)) & 1).astype(np.float64)
-
-
 def loo(k: int, evaluate: Oracle) -> BaselineResult:
     """Leave-one-out: loo_i = v(N) - v(N minus i), K+1 evaluations."""
     oracle = CachedOracle(k, evaluate)
@@ -117,48 +114,15 @@ def loo(k: int, evaluate: Oracle) -> BaselineResult:
     return BaselineResult("loo", util[0] - util[1:], oracle.evaluations)
 
 
-LOGIT_CLIP = 1e-6  # probabilities are clipped to [1e-6, 1 - 1e-6] before the logit, so 0 and 1 stay finite (+-13.8)
-
-
-def logit(p: np.ndarray, clip: float = LOGIT_CLIP) -> np.ndarray:
-    p = np.clip(np.asarray(p, dtype=np.float64), clip, 1.0 - clip)
-    return np.log(p) - np.log1p(-p)
-
-
 def context_cite(
     k: int, evaluate: Oracle, masks: int = DEFAULT_MASKS, alpha: float = CONTEXTCITE_ALPHA, seed: int = 0
 ) -> BaselineResult:
-    """ContextCite (Cohen-Wang et al., 2024) as released (MadryLab/context-cite, `solver.LassoRegression`): `masks`
-    random ablations (each memory kept with probability 1/2, the released default), mask features standardised
-    (StandardScaler), Lasso with alpha 0.01 and an intercept on the standardised features, weights rescaled back to
-    the 0/1 mask scale (coef / scale); the target is the logit of the probability.
-
-    Remaining differences, stated: (1) the probability is P(gold option) under the oracle's utility mode, where the
-    release uses the probability of the model's own generated response (our utility is about the gold answer, the
-    same quantity every other method sees); the released per-token averaging is moot for one option. (2) In `correct`
-    mode the utility is the 0/1 outcome; its clipped logit is +-13.8, an affine rescaling of the outcome (the Lasso
-    penalty then bites 27.6 times less than on the 0/1 scale). (3) Duplicated ablations are evaluated once but stay
-    regression rows, as in the release. (4) Our own code; no dependency on their package.
-    Lasso weights = attributions (negative = harmful), in logit units.
-    """
-    from sklearn.linear_model import Lasso  # lazy: scikit-learn is in the `eval` extra only
-
-    if alpha < 0:
-        raise BaselineError(f"ContextCite Lasso alpha={alpha}; must be >= 0")
+    """ContextCite on `masks` random ablations; the fit is `pipeline.game.surrogates.contextcite_fit` (the
+    estimator contract's "contextcite"). Lasso weights = attributions (negative = harmful), in logit units."""
     oracle = CachedOracle(k, evaluate)
     sample = random_masks(k, masks, np.random.default_rng(seed))
     util, _ = oracle(sample)
-    y = logit(util)
-    x = keep_indicators(sample, k)
-    mean, scale = x.mean(axis=0), x.std(axis=0)
-    scale = np.where(scale == 0.0, 1.0, scale)  # a memory kept (or dropped) in every draw: StandardScaler's rule
-    if np.ptp(y) == 0.0:  # a constant surrogate: every weight is zero (Lasso would warn and say the same)
-        weights, intercept = np.zeros(k), float(y[0])
-    else:
-        model = Lasso(alpha=alpha, fit_intercept=True, random_state=0, max_iter=10_000, tol=1e-6)
-        model.fit((x - mean) / scale, y)
-        weights = model.coef_.astype(np.float64) / scale
-        intercept = float(model.intercept_) - float((mean / scale) @ model.coef_)
+    weights, intercept = contextcite_fit(sample, util, k, alpha)
     return BaselineResult(
         "contextcite", weights, oracle.evaluations,
         {"intercept": intercept, "masks": masks, "alpha": alpha, "target": "logit"},
@@ -196,113 +160,7 @@ def relevance_filter(
     )
 
 
-# --- ProxySPEX -------------------------------------------------------------------------------------------------------
-#
-# Fourier (Walsh) basis on x in {0,1}^K: chi_T(x) = prod_{j in T} (-1)^{x_j}, sets T as bitmasks. A function is
-# f(x) = sum_T F[T] chi_T(x). Its Shapley value follows from symmetry, null players and efficiency applied to each basis
-# game: chi_T treats the members of T alike, ignores everyone else, and moves from chi_T(empty) = 1 to
-# chi_T(N) = (-1)^|T|, so each member of T gets ((-1)^|T| - 1) / |T|: -2/|T| for odd |T|, nothing for even |T|.
-# Pairwise interactions go through the Moebius form instead: chi_T = prod_{j in T} (1 - 2 x_j) expands to
-# sum_{U subset of T} (-2)^|U| prod_{j in U} x_j, so m(U) = (-2)^|U| sum_{T superset of U} F[T], and the Shapley
-# interaction index of a pair is sum_{U superset of pair} m(U) / (|U| - 1) (Grabisch, 1997).
-
 PROXYSPEX_BACKENDS = ("native", "shapiq")
-
-
-def _popcount(x: int) -> int:
-    return int(x).bit_count()
-
-
-def tree_fourier(tree: object) -> dict[int, float]:
-    """Exact Fourier coefficients of one fitted sklearn regression tree over binary features.
-
-    A split on j sends x_j = 0 left (threshold 0.5) and x_j = 1 right; with 1[x_j = 0] = (1 + chi_j) / 2 the node is
-    (L + R) / 2 + chi_j (L - R) / 2. Multiplying by chi_j is a symmetric difference of sets (chi_j^2 = 1), which stays
-    exact even if a path split on the same feature twice.
-    """
-    t = tree.tree_  # type: ignore[attr-defined]
-    left, right, feature, threshold = t.children_left, t.children_right, t.feature, t.threshold
-    value = t.value[:, 0, 0]
-
-    def walk(node: int) -> dict[int, float]:
-        if left[node] == -1:
-            return {0: float(value[node])}
-        if not 0.0 < threshold[node] < 1.0:
-            raise BaselineError(
-                f"tree split at {threshold[node]} on feature {feature[node]}; binary features split at 0.5"
-            )
-        lo, hi, bit = walk(left[node]), walk(right[node]), 1 << int(feature[node])
-        out: dict[int, float] = defaultdict(float)
-        for key in lo.keys() | hi.keys():
-            a, b = lo.get(key, 0.0), hi.get(key, 0.0)
-            out[key] += (a + b) / 2.0
-            out[key ^ bit] += (a - b) / 2.0
-        return out
-
-    return dict(walk(0))
-
-
-def fourier_basis(masks: np.ndarray, support: np.ndarray) -> np.ndarray:
-    """(n, |support|) matrix of chi_T(x) for coalitions `masks` and frequency sets `support` (both bitmasks)."""
-    overlap = np.asarray(masks, dtype=np.int64)[:, None] & np.asarray(support, dtype=np.int64)[None, :]
-    parity = np.zeros(overlap.shape, dtype=np.int64)
-    for b in range(MAX_PLAYERS):
-        parity ^= (overlap >> b) & 1
-    return 1.0 - 2.0 * parity
-
-
-def fourier_shapley(coeffs: dict[int, float], k: int) -> np.ndarray:
-    """Shapley values of f = sum_T F[T] chi_T: each member of T gets F[T] ((-1)^|T| - 1) / |T|."""
-    phi = np.zeros(k)
-    for t, f in coeffs.items():
-        size = _popcount(t)
-        if size % 2:
-            for j in range(k):
-                if t >> j & 1:
-                    phi[j] += -2.0 * f / size
-    return phi
-
-
-def fourier_moebius(coeffs: dict[int, float]) -> dict[int, float]:
-    """Moebius coefficients m(U) = (-2)^|U| sum_{T superset of U} F[T] of a sparse Fourier function."""
-    out: dict[int, float] = defaultdict(float)
-    for t, f in coeffs.items():
-        sub = t
-        while True:  # every subset U of T, by the standard submask walk
-            out[sub] += (-2.0) ** _popcount(sub) * f
-            if sub == 0:
-                break
-            sub = (sub - 1) & t
-    return dict(out)
-
-
-def moebius_pair_interactions(moebius: dict[int, float], k: int) -> np.ndarray:
-    """(K, K) pairwise Shapley interaction index from Moebius coefficients (diagonal 0)."""
-    out = np.zeros((k, k))
-    for u, m in moebius.items():
-        size = _popcount(u)
-        if size < 2:
-            continue
-        members = [j for j in range(k) if u >> j & 1]
-        for a in range(size):
-            for b in range(a + 1, size):
-                out[members[a], members[b]] += m / (size - 1)
-                out[members[b], members[a]] += m / (size - 1)
-    return out
-
-
-def _energy_support(coeffs: dict[int, float], energy: float) -> np.ndarray:
-    """The constant term plus the fewest non-constant coefficients holding `energy` of their squared mass."""
-    keys = np.array([t for t in coeffs if t != 0], dtype=np.int64)
-    if keys.size == 0:
-        return np.array([0], dtype=np.int64)
-    sq = np.array([coeffs[int(t)] ** 2 for t in keys])
-    order = np.argsort(-sq, kind="stable")
-    total = sq.sum()
-    if total == 0.0:
-        return np.array([0], dtype=np.int64)
-    n_keep = int(np.searchsorted(np.cumsum(sq[order]) / total, energy - 1e-12)) + 1
-    return np.concatenate([[0], keys[order[: min(n_keep, keys.size)]]]).astype(np.int64)
 
 
 def proxyspex(
@@ -336,43 +194,13 @@ def proxyspex(
     """
     if backend not in PROXYSPEX_BACKENDS:
         raise BaselineError(f"ProxySPEX backend={backend!r}; allowed {PROXYSPEX_BACKENDS}")
-    if not 0.0 < energy <= 1.0:
-        raise BaselineError(f"ProxySPEX energy={energy}; must be in (0, 1]")
-    if max_depth < 1 or n_estimators < 1 or learning_rate <= 0:
-        raise BaselineError(
-            f"ProxySPEX trees: max_depth={max_depth}, n_estimators={n_estimators}, learning_rate={learning_rate}; "
-            "need max_depth >= 1, n_estimators >= 1, learning_rate > 0"
-        )
     oracle = CachedOracle(k, evaluate)
     if backend == "shapiq":
         return _proxyspex_shapiq(k, oracle, masks, seed)
 
-    from sklearn.ensemble import GradientBoostingRegressor  # lazy: scikit-learn is in the `eval` extra only
-    from sklearn.linear_model import RidgeCV
-
     sample = random_masks(k, masks, np.random.default_rng(seed))
     util, _ = oracle(sample)
-    if np.ptp(util) == 0.0:  # a constant game: no tree can split, every Shapley value is zero
-        coeffs = {0: float(util[0])}
-    else:
-        gbr = GradientBoostingRegressor(
-            n_estimators=n_estimators, max_depth=max_depth, learning_rate=learning_rate, random_state=seed
-        ).fit(keep_indicators(sample, k), util)
-        raw: dict[int, float] = defaultdict(float)
-        for est in gbr.estimators_[:, 0]:
-            for t, f in tree_fourier(est).items():
-                raw[t] += learning_rate * f
-        # The boosting's initial constant, read off the proxy itself rather than from sklearn internals.
-        x0 = keep_indicators(sample[:1], k)
-        keys, vals = np.array(list(raw), dtype=np.int64), np.array(list(raw.values()))
-        raw[0] += float(gbr.predict(x0)[0]) - float(fourier_basis(sample[:1], keys)[0] @ vals)
-        if energy >= 1.0:
-            coeffs = dict(raw)  # the proxy's own transform; a ridge refit on the full support only overfits the samples
-        else:
-            support = _energy_support(raw, energy)
-            basis = fourier_basis(sample, support)
-            ridge = RidgeCV(alphas=np.logspace(-6, 6, 100), fit_intercept=False).fit(basis, util)
-            coeffs = {int(t): float(c) for t, c in zip(support, ridge.coef_, strict=True)}
+    coeffs = proxyspex_fourier(sample, util, k, seed, max_depth, n_estimators, learning_rate, energy)
     phi = fourier_shapley(coeffs, k)
     return BaselineResult(
         "proxyspex",

@@ -13,6 +13,7 @@ from pipeline.game.clearance import Clearance, clearance_coalitions, harmful_ran
 from pipeline.game.adaptive import stop_reason
 from pipeline.game.plan import GamePlan, make_plan
 from pipeline.game.sparse import SparseTable
+import pipeline.game.surrogates  # noqa: E402,F401  (registers contextcite and proxyspex with the estimator registry)
 
 __all__ = [
     "SparseTable",

@@ -21,7 +21,8 @@ import numpy as np
 
 from pipeline.errors import ConfigError
 
-ESTIMATORS = ("auto", "exact", "permutation", "adaptive")
+ESTIMATORS = ("auto", "exact", "permutation", "antithetic", "adaptive", "kernelshap", "leverage", "contextcite",
+              "proxyspex")  # "auto" and the contract's names (pipeline.game.estimators.ESTIMATOR_NAMES)
 DEFAULT_PERMUTATIONS = 16  # permutation budget L: the audit's default, and the adaptive estimator's default cap
 # The adaptive estimator's cap when none is given: measured at K=10 on three disjoint 96-query LoCoMo subsets
 # (jobs/bench_adaptive.py, README "Adaptive estimator"), L=96 stops after 112-134 evaluations per case on average with
@@ -29,6 +30,25 @@ DEFAULT_PERMUTATIONS = 16  # permutation budget L: the audit's default, and the 
 ADAPTIVE_CAP = 96
 ADAPTIVE_ROUND = 8  # permutations per round of the adaptive estimator (and the fewest it ever stops at)
 MAX_PLAYERS = 20  # exact value tables are dense arrays of 2^K floats: 8 MiB at K=20
+
+
+class BudgetError(ConfigError):
+    """A budget an estimator cannot work with (too small for the method, or not an integer)."""
+
+
+def min_budget(k: int) -> int:
+    """The smallest useful budget: the empty set, the full context and the full context minus each memory."""
+    return k + 2
+
+
+def check_budget(budget: object, k: int, where: str = "budget") -> int:
+    """`budget` as an int: distinct agent evaluations per query, at least K+2 (pipeline.game.estimators)."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)):
+        raise BudgetError(f"{where}={budget!r}: must be an integer count of agent evaluations per query")
+    if budget < min_budget(k):
+        raise BudgetError(f"{where}={budget} is below K+2 = {min_budget(k)} at K={k} (the empty set, the full context "
+                          "and the full context minus each memory)")
+    return int(budget)
 
 
 def full_mask(k: int) -> int:
@@ -75,6 +95,8 @@ class GamePlan:
     permutations: np.ndarray  # (L, K) int64; empty (0, K) for exact enumeration
     coalitions: np.ndarray  # sorted, unique int64 masks (adaptive: the first round's only)
     round_size: int = 0  # adaptive: permutations per round; 0 otherwise
+    eval_budget: int = 0  # distinct agent evaluations per query, clearance checks included; 0 = none (L decides)
+    prior: float = 0.0  # adaptive: variance pseudo-draws (pipeline.game.estimators.Adaptive)
 
     def round_coalitions(self, used: int) -> np.ndarray:
         """Coalitions of the first `used` permutations (and LOO): what an adaptive case needs after `used`."""
@@ -85,6 +107,16 @@ class GamePlan:
         return int(self.coalitions.size)
 
 
+# `auto` under a budget (issue 16 item 7): exact enumeration when the budget holds all 2^K coalitions, otherwise the
+# sampled estimator that measured best at K=10 on LoCoMo (README "Estimators and the budget"; jobs/bench_adaptive.py).
+AUTO_SAMPLED = "adaptive"
+ADAPTIVE_PRIOR = 0.0  # adaptive: variance pseudo-draws by default (pipeline.game.estimators.Adaptive)
+
+
+def auto_estimator(k: int, budget: int) -> str:
+    return "exact" if budget >= 1 << k else AUTO_SAMPLED
+
+
 def make_plan(
     k: int,
     permutations: int = DEFAULT_PERMUTATIONS,
@@ -92,8 +124,13 @@ def make_plan(
     antithetic: bool = False,
     seed: int = 0,
     round_size: int = ADAPTIVE_ROUND,
+    budget: int = 0,
+    prior: float = ADAPTIVE_PRIOR,
 ) -> GamePlan:
-    """Plan a case with K players. Permutations come from a local generator seeded by `seed` (per case)."""
+    """Plan a case with K players. Permutations come from a local generator seeded by `seed` (per case).
+
+    `budget` > 0: distinct agent evaluations per query, clearance checks included (pipeline.game.estimators); the
+    estimator then spends at most `split_budget(budget, K)` and `permutations` is only the adaptive cap."""
     if not 1 <= k <= MAX_PLAYERS:
         raise ConfigError(f"game plan: K={k} players is out of range; allowed 1..{MAX_PLAYERS}")
     if permutations < 1:
@@ -102,27 +139,40 @@ def make_plan(
         raise ConfigError(f"game plan: antithetic sampling pairs permutations; permutations={permutations} must be even")
     if estimator not in ESTIMATORS:
         raise ConfigError(f"game plan: estimator={estimator!r}; allowed {ESTIMATORS}")
+    if budget:
+        check_budget(budget, k)
+        if estimator == "auto":
+            estimator = auto_estimator(k, budget)
+        if estimator == "exact" and budget < 1 << k:
+            raise ConfigError(f"game plan: estimator 'exact' at K={k} needs 2^{k} = {1 << k:,} evaluations; "
+                              f"budget={budget:,} (use 'auto' or a sampled estimator, or raise the budget)")
     if estimator == "auto":
         estimator = "exact" if 2**k <= sampled_touch_bound(k, permutations) else "permutation"
+    if estimator == "antithetic":
+        antithetic = True
     if estimator == "adaptive":
         antithetic = True
         if round_size < 2 or round_size % 2 or permutations % 2:
             raise ConfigError(f"game plan: adaptive draws antithetic pairs; round_size={round_size} and "
                               f"permutations={permutations} must be even (round_size >= 2)")
+    extra = {"eval_budget": budget, "prior": prior}
     if estimator == "exact":
-        perms = np.zeros((0, k), dtype=np.int64)
-        coalitions = np.arange(2**k, dtype=np.int64)
+        return GamePlan(k, estimator, permutations, antithetic, seed, np.zeros((0, k), dtype=np.int64),
+                        np.arange(2**k, dtype=np.int64), **extra)
+    if estimator not in ("permutation", "antithetic", "adaptive") or (budget and estimator != "adaptive"):
+        # Drawn by the estimator itself (pipeline.game.estimators); the first pass starts with the LOO anchors.
+        return GamePlan(k, estimator, permutations, antithetic, seed, np.zeros((0, k), dtype=np.int64),
+                        np.union1d(loo_coalitions(k), [0]).astype(np.int64), **extra)
+    rng = np.random.default_rng(seed)
+    if antithetic:
+        half = rng.permuted(np.tile(np.arange(k), (permutations // 2, 1)), axis=1)
+        perms = np.empty((permutations, k), dtype=np.int64)
+        perms[0::2], perms[1::2] = half, half[:, ::-1]  # each permutation followed by its reverse
     else:
-        rng = np.random.default_rng(seed)
-        if antithetic:
-            half = rng.permuted(np.tile(np.arange(k), (permutations // 2, 1)), axis=1)
-            perms = np.empty((permutations, k), dtype=np.int64)
-            perms[0::2], perms[1::2] = half, half[:, ::-1]  # each permutation followed by its reverse
-        else:
-            perms = rng.permuted(np.tile(np.arange(k), (permutations, 1)), axis=1).astype(np.int64)
-        coalitions = np.union1d(prefix_masks(perms).ravel(), loo_coalitions(k))
+        perms = rng.permuted(np.tile(np.arange(k), (permutations, 1)), axis=1).astype(np.int64)
+    coalitions = np.union1d(prefix_masks(perms).ravel(), loo_coalitions(k))
     if estimator == "adaptive":
         first = min(round_size, permutations)
         coalitions = np.union1d(prefix_masks(perms[:first]).ravel(), loo_coalitions(k))
-        return GamePlan(k, estimator, permutations, antithetic, seed, perms, coalitions, round_size)
-    return GamePlan(k, estimator, permutations, antithetic, seed, perms, coalitions)
+        return GamePlan(k, estimator, permutations, antithetic, seed, perms, coalitions, round_size, **extra)
+    return GamePlan(k, estimator, permutations, antithetic, seed, perms, coalitions, **extra)
