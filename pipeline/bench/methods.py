@@ -9,7 +9,7 @@ coalition once per case (`CaseOutcomes`); both utility modes and all methods rea
   values, harmful ranking (phi < -tau, ties by LOO), nested verified clearance. Pairwise interactions are diagnostics in MeClear and do not enter the ranking or the clearance,
   so the benchmark does not compute them.
 - loo: rank by LOO effect, same nested clearance; loo_threshold: remove every memory with loo < -tau at once.
-- contextcite, proxyspex: `pipeline.bench.baselines`, same ranking rule (without LOO tie-break: it would cost
+- contextcite, proxyspex: the contract's surrogates (`pipeline.game.surrogates`), same ranking rule (without LOO tie-break: it would cost
   evaluations they do not make) and the same nested clearance.
 - filter: the agent's own `drop_memories` (LLM agents) or, for agents without one, the relevance-threshold filter on
   lexical relevance (the fraction of the question's content words a memory contains); no nested search. The LLM
@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from pipeline.agents.base import Agent
-from pipeline.bench.baselines import CachedOracle, context_cite, loo, proxyspex, relevance_filter
+from pipeline.bench.baselines import CachedOracle, loo, relevance_filter
 from pipeline.bench.builder import BenchCase
 from pipeline.bench.metrics import full_ranking
 from pipeline.bench.outcomes import CaseOutcomes
@@ -61,6 +61,8 @@ def meclear_estimators() -> tuple[str, ...]:
     from pipeline.game.estimators import ESTIMATOR_NAMES
 
     return tuple(n for n in ESTIMATOR_NAMES if n != "exact" and n not in BASELINE_ESTIMATORS)
+
+
 DEFAULT_METHODS = ("meclear", "loo", "contextcite", "proxyspex", "filter", "controls")  # CLI words, see expand_methods
 
 
@@ -276,33 +278,21 @@ def budgeted(method: Method, k: int, ev: CachedOracle, seed: int, tau: float) ->
     """A contract estimator at `method.evals` evaluations per case: the estimator gets `split_budget(B, K)` of them
     (the audit's split), the nested clearance what is left (its ranking cut to fit, `affordable`), so the total
     never exceeds B. Ranked by the estimate alone (no LOO tie-break: LOO would cost evaluations the budget lacks)."""
-    from pipeline.game.estimators import get_estimator, split_budget
+    from pipeline.game.estimators import split_budget
 
     name = method.estimator or method.family
-    spend, rng = split_budget(method.evals, k), np.random.default_rng(seed)
-    if name in BASELINE_ESTIMATORS and not _in_contract(name):
-        values = _surrogate(name, k, ev, spend, seed)
-    else:
-        options = {"tau": tau} if name == "adaptive" else {}  # the audit's adaptive stops on separation from -tau
-        values = get_estimator(name, **options).estimate(OracleGame(k, ev), spend, rng).values
-    return _ranked(k, np.asarray(values, dtype=np.float64), ev, tau, name, seed, budget=method.evals)
+    values = _estimate(name, k, ev, split_budget(method.evals, k), seed, tau)
+    return _ranked(k, values, ev, tau, name, seed, budget=method.evals)
 
 
-def _in_contract(name: str) -> bool:
+def _estimate(name: str, k: int, ev: CachedOracle, budget: int, seed: int, tau: float) -> np.ndarray:
+    """The contract estimator `name`'s values over `ev` within `budget`, seeded by the case: the audit's options
+    (adaptive stops on separation from -tau; a surrogate's trees take the case seed, its masks come from the rng)."""
     from pipeline.game.estimators import get_estimator
 
-    try:
-        get_estimator(name)
-    except ConfigError:
-        return False
-    return True
-
-
-def _surrogate(name: str, k: int, ev: CachedOracle, spend: int, seed: int) -> np.ndarray:
-    """Thin adapter while the contract lacks ContextCite/ProxySPEX (branch `estimators` moves them behind it): the
-    released baselines with `spend` random ablations, which is at most `spend` distinct evaluations."""
-    fn = context_cite if name == "contextcite" else proxyspex
-    return fn(k, ev, spend, seed=seed).attribution
+    options = {"tau": tau} if name == "adaptive" else {"seed": seed} if name in BASELINE_ESTIMATORS else {}
+    attr = get_estimator(name, **options).estimate(OracleGame(k, ev), budget, np.random.default_rng(seed))
+    return np.asarray(attr.values, dtype=np.float64)
 
 
 def _lexical_relevance(question: str, texts: tuple[str, ...]) -> np.ndarray:
@@ -330,12 +320,9 @@ def run_method(method: Method, bc: BenchCase, agent: Agent, oracle: CaseOutcomes
         util, ok = ev(np.array([full_mask(k), kept]))
         r = tuple(int(i) for i in ranking)
         return Outcome(r, r, bool(ok[1]), ev.evaluations, float(util[0]), float(util[1]), "loo", _full(a, case.seed))
-    if family == "contextcite":
-        a = context_cite(k, ev, cfg.contextcite_masks, seed=case.seed).attribution
-        return _ranked(k, a, ev, cfg.tau, family, case.seed)
-    if family == "proxyspex":
-        a = proxyspex(k, ev, cfg.proxyspex_masks, seed=case.seed).attribution
-        return _ranked(k, a, ev, cfg.tau, family, case.seed)
+    if family in BASELINE_ESTIMATORS:  # the contract's surrogates, `masks` random ablations (distinct <= masks)
+        masks = cfg.contextcite_masks if family == "contextcite" else cfg.proxyspex_masks
+        return _ranked(k, _estimate(family, k, ev, masks, case.seed, cfg.tau), ev, cfg.tau, family, case.seed)
     if family == "filter":
         if drop is not None:  # the LLM filter: drop what the model says, check the result once
             r = tuple(sorted(int(i) for i in drop))
