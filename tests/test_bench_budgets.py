@@ -69,6 +69,8 @@ def test_method_names_parse_back_and_exact_stops_at_k12():
     with pytest.raises(ConfigError):
         EvalConfig(locomo="x.json", eval_budgets=(16, 16))
     assert EvalConfig(locomo="x.json", eval_budgets=(16,), top_k=10).redundancy == (2, 3)
+    with pytest.raises(ConfigError, match="K\\+2 = 22"):
+        EvalConfig(locomo="x.json", eval_budgets=(16, 64), top_k=20)  # rejected before any work, not on a worker
 
 
 def test_k10_budgets_are_respected_and_coalitions_are_the_lazy_union():

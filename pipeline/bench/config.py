@@ -52,6 +52,9 @@ class EvalConfig(RunSettings):
         check(isinstance(self.replicates, int) and self.replicates >= 1, w, f"replicates={self.replicates!r}; >= 1")
         check(isinstance(self.max_cases, int) and self.max_cases >= 0, w, f"max_cases={self.max_cases!r}; must be >= 0")
         self.check_run_settings(w, top_k_low=2)  # fault cases need room for a redundant pair
+        check(not self.eval_budgets or min(self.eval_budgets) >= self.top_k + 2, w,
+              f"eval_budgets={self.eval_budgets!r}: each must be >= K+2 = {self.top_k + 2} (the empty set, the full "
+              "context and the full context minus each memory)")
         _ = (self.build_config, self.method_config)  # validate both now, not on a worker later
 
     @property
