@@ -9,6 +9,8 @@ import tracemalloc
 
 import numpy as np
 import pytest
+from data_paths import LOCOMO
+from golden import run_cli
 
 from pipeline.agents.reader import ReaderAgent
 from pipeline.bench.builder import BenchCase, CachedAgent
@@ -110,10 +112,8 @@ def test_k20_never_touches_2_to_the_20():
         assert m.evals is None or o.evaluations <= m.evals
 
 
+@pytest.mark.skipif(not LOCOMO.exists(), reason="LoCoMo is not beside the checkout")
 def test_eval_cli_budgets_writes_curves(tmp_path):
-    from data_paths import LOCOMO
-    from golden import run_cli
-
     out = tmp_path / "b"
     run_cli(["eval", "--locomo", str(LOCOMO), "--conversations", "conv-26", "--top-k", "10", "--budgets", "16,32",
              "--max-cases", "1", "--utility", "correct", "--replicates", "20", "--dense", "off", "--agent",
