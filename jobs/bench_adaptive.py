@@ -40,6 +40,7 @@ CONFIGS = (
     ("adaptive L96 prior=0.3", "adaptive", 0, {"prior": 0.3}),
     ("adaptive B150", "adaptive", 150, {}),
     ("adaptive B128", "adaptive", 128, {}),
+    ("auto B128", "auto", 128, {}),
     ("permutation B128", "permutation", 128, {}),
     ("antithetic B128", "antithetic", 128, {}),
     ("kernelshap B128", "kernelshap", 128, {}),
@@ -98,7 +99,7 @@ def replay(t: Table, mode: str, estimator: str, budget: int, options: dict, seed
                         tuple(range(1, k + 1)), (None,) * k, "h")
     case = Case(Query(t.query_id, t.pool_id, "?", "a", ("a", "b")), ctx, seed)
     plan = make_plan(k, 96 if estimator == "adaptive" else 16, estimator, seed=seed, budget=budget,
-                     prior=options.get("prior", 0.0))
+                     prior=options.get("prior", 0.0), utility=mode)
     st = CaseState(case, plan, TAU, DEFAULT_Z)
     while (need := advance(st, TAU, DEFAULT_Z)) is not None:
         st.record(need.masks, values[need.masks], t.correct[need.masks])

@@ -78,9 +78,19 @@ class CaseState:
         return ask
 
     @property
-    def evaluations(self) -> int:
+    def stored(self) -> int:
+        """Coalitions with a value, reused ones included."""
         stored = self.values.stored if isinstance(self.values, SparseTable) else self.values
         return int(np.count_nonzero(~np.isnan(stored)))
+
+    @property
+    def evaluations(self) -> int:
+        """Distinct coalitions this case used: what the estimator asked, LOO and the clearance's candidates so far.
+        Values reused from an earlier run that this case did not need are not counted (they cost it nothing)."""
+        used = np.union1d(self.run.values.keys, loo_coalitions(self.plan.k))
+        if self.clear_ranking is not None:
+            used = np.union1d(used, clearance_coalitions(self.plan.k, self.clear_ranking))
+        return int(np.count_nonzero(~np.isnan(self.values[used])))
 
     @property
     def complete(self) -> bool:
@@ -148,9 +158,9 @@ def attribute(state: CaseState, tau: float) -> np.ndarray:
     result = state.run.result()
     state.phi, state.se, state.used, state.stop = result.values, result.se, result.draws, result.stop
     state.ranking = harmful_ranking(state.phi, tau, loo_effects(state.values))
+    left = plan.eval_budget - state.evaluations  # before the clearance is set: the estimator's and LOO's spend
     state.clear_ranking = state.ranking
     if plan.eval_budget:
-        left = plan.eval_budget - state.evaluations
         for n in range(len(state.ranking), -1, -1):
             if len(state.missing(clearance_coalitions(plan.k, state.ranking[:n]))) <= left:
                 state.clear_ranking = state.ranking[:n]
@@ -235,7 +245,7 @@ def finalize(state: CaseState, run_id: str, tau: float, kappa: float) -> CaseRow
         }
         for i in range(plan.k)
     ]
-    if plan.estimator == "exact" or state.evaluations == 1 << plan.k:
+    if plan.estimator == "exact" or state.stored == 1 << plan.k:
         inter = interactions_exact(state.values)
         support = np.full((plan.k, plan.k), 1 << max(plan.k - 2, 0))
     else:

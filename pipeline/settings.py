@@ -122,9 +122,9 @@ class AuditConfig(RunSettings):
               f"{1 << self.top_k:,} evaluations per query; raise the budget or use estimator 'auto'")
         check(isinstance(self.adaptive_prior, (int, float)) and self.adaptive_prior >= 0, w,
               f"adaptive_prior={self.adaptive_prior!r}; must be >= 0")
-        pairs = self.antithetic or self.estimator == "adaptive"  # adaptive always draws antithetic pairs
+        pairs = self.antithetic or self.estimator in ("adaptive", "antithetic")  # they always draw antithetic pairs
         check(not pairs or self.permutations % 2 == 0, w,
-              f"permutations={self.permutations!r}; antithetic sampling (always on with estimator 'adaptive') needs an even number")
+              f"permutations={self.permutations!r}; antithetic sampling (always on with estimators 'adaptive' and 'antithetic') needs an even number")
         check(self.utility in UTILITY_MODES, w, f"utility={self.utility!r}; allowed {UTILITY_MODES}")
         check(isinstance(self.adaptive_round, int) and self.adaptive_round >= 2
               and (self.estimator != "adaptive" or self.adaptive_round % 2 == 0), w,

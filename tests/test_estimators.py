@@ -93,15 +93,20 @@ def test_budget_is_respected_counting_distinct_coalitions(name, budget):
     assert np.isfinite(a.values).all() and a.estimated
 
 
-@pytest.mark.parametrize("name", SAMPLED)
-def test_k20_never_allocates_2_to_the_20(name, monkeypatch):
+@pytest.fixture
+def no_2k_arrays(monkeypatch):
+    """np.arange refuses anything of 2^18 entries or more: nothing at K=20 may build a 2^K-sized index."""
     arange = np.arange
 
     def guarded(*args, **kw):
-        assert not args or args[0] < 1 << 20, "a 2^K array at K=20"
+        assert not args or args[0] < 1 << 18, "a 2^K-sized array at K=20"
         return arange(*args, **kw)
 
     monkeypatch.setattr(np, "arange", guarded)
+
+
+@pytest.mark.parametrize("name", SAMPLED)
+def test_k20_never_allocates_2_to_the_20(name, no_2k_arrays):
     w = np.linspace(-1, 1, 20)
     game = additive(w)
     a = get_estimator(name).estimate(game, 256, np.random.default_rng(0))
@@ -257,3 +262,69 @@ def test_surrogates_behind_the_contract_match_the_benchmark_baselines(name):
     b = fn(10, lambda m: (game(m), np.zeros(len(m), dtype=bool)), masks=48, seed=3)
     np.testing.assert_allclose(a.values, b.attribution, atol=1e-12)
     assert a.values[0] < 0 and a.values[4] > 0  # the harmful pair and the helpful memory, by sign
+
+
+def test_auto_under_a_budget_enumerates_when_2k_fits_else_follows_the_utility_mode():
+    from pipeline.game.plan import make_plan
+
+    assert make_plan(10, budget=1024).estimator == "exact"
+    assert make_plan(10, budget=128, utility="probability").estimator == "kernelshap"
+    assert make_plan(10, budget=128, utility="correct").estimator == "permutation"
+    with pytest.raises(ConfigError, match="2\\^10"):
+        make_plan(10, estimator="exact", budget=1000)
+
+
+@pytest.mark.parametrize("bad", ["12.5", "3", "ten"])
+def test_cli_refuses_a_bad_budget_in_one_line(tmp_path, bad):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "pipeline.cli", "audit", "--executor", "local", "--dense", "off",
+                           "--budget", bad, "--out", str(tmp_path / "o"), "--no-progress"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert len(done.stderr.strip().splitlines()) == 1 and "budget" in done.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_sparse_interactions_equal_the_dense_index():
+    import pipeline.game.attribution as attribution
+    from pipeline.game.plan import prefix_masks
+    from pipeline.game.sparse import SparseTable
+
+    k = 14
+    rng = np.random.default_rng(2)
+    masks = np.unique(prefix_masks(rng.permuted(np.tile(np.arange(k), (24, 1)), axis=1)).ravel())
+    table = SparseTable(k)
+    table[masks] = rng.random(masks.size)
+    sparse = attribution.interactions_from_evaluated(table)
+    dense_values = np.full(1 << k, np.nan)
+    dense_values[masks] = table[masks]
+    dense = attribution.interactions_from_evaluated(dense_values)
+    np.testing.assert_allclose(sparse[0], dense[0], rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(sparse[1], dense[1])
+    assert (sparse[1] > 0).any()
+
+
+@pytest.mark.parametrize("name", ("adaptive", "kernelshap", "permutation"))
+def test_a_k20_case_runs_through_the_audit_reduction_within_its_budget(name, no_2k_arrays):
+    """K=20 with a budget of 200: the reduction (estimator, LOO, interactions, clearance) never builds 2^K of anything."""
+    from pipeline.cases import Case
+    from pipeline.game.plan import make_plan
+    from pipeline.io.records import Query
+    from pipeline.reduce import CaseState, advance, finalize
+    from pipeline.retrieval import FrozenContext
+
+    k = 20
+    w = np.where(np.arange(k) % 5 == 0, -0.3, 0.02)
+    ctx = FrozenContext("p", "q", tuple(f"m{i}" for i in range(k)), ("t",) * k, (0.0,) * k, tuple(range(1, k + 1)),
+                        (None,) * k, "h")
+    st = CaseState(Case(Query("q", "p", "?", "a", ("a", "b")), ctx, 5), make_plan(k, 96, name, seed=5, budget=200),
+                   0.05)
+    while (need := advance(st, 0.05, 1.96)) is not None:
+        v = bits(need.masks, k) @ w
+        st.record(need.masks, v, v > 0)
+    rows = finalize(st, "r", 0.05, 0.05)
+    assert rows.clearance.evaluations == st.evaluations <= 200
+    np.testing.assert_allclose(st.phi, w, atol=1e-9)  # additive: exact for every estimator
+    assert sorted(st.ranking.tolist()) == [0, 5, 10, 15]

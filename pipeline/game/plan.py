@@ -108,13 +108,17 @@ class GamePlan:
 
 
 # `auto` under a budget (issue 16 item 7): exact enumeration when the budget holds all 2^K coalitions, otherwise the
-# sampled estimator that measured best at K=10 on LoCoMo (README "Estimators and the budget"; jobs/bench_adaptive.py).
-AUTO_SAMPLED = "adaptive"
+# sampled estimator that measured best at equal budget, which depends on the utility mode (README "Estimators and the
+# budget"; jobs/bench_adaptive.py, LoCoMo K=10, reader, budget 128, harmful sets equal to exact, tuned conv-26/30 and
+# held-out conv-41/44/47): `probability` (smooth values) -> least squares, kernelshap 93.1% / 94.8% (permutation
+# 86.5% / 90.4%, adaptive 90.5% / 92.8%); `correct` ({0,1} values, most marginals exactly 0) -> the permutation
+# mean, 88.5% / 93.7% (kernelshap 80.9% / 85.2%: the fit smears a few non-zero coalitions over every memory).
+AUTO_SAMPLED = {"probability": "kernelshap", "correct": "permutation"}
 ADAPTIVE_PRIOR = 0.0  # adaptive: variance pseudo-draws by default (pipeline.game.estimators.Adaptive)
 
 
-def auto_estimator(k: int, budget: int) -> str:
-    return "exact" if budget >= 1 << k else AUTO_SAMPLED
+def auto_estimator(k: int, budget: int, utility: str = "probability") -> str:
+    return "exact" if budget >= 1 << k else AUTO_SAMPLED.get(utility, "permutation")
 
 
 def make_plan(
@@ -126,6 +130,7 @@ def make_plan(
     round_size: int = ADAPTIVE_ROUND,
     budget: int = 0,
     prior: float = ADAPTIVE_PRIOR,
+    utility: str = "probability",
 ) -> GamePlan:
     """Plan a case with K players. Permutations come from a local generator seeded by `seed` (per case).
 
@@ -142,7 +147,7 @@ def make_plan(
     if budget:
         check_budget(budget, k)
         if estimator == "auto":
-            estimator = auto_estimator(k, budget)
+            estimator = auto_estimator(k, budget, utility)
         if estimator == "exact" and budget < 1 << k:
             raise ConfigError(f"game plan: estimator 'exact' at K={k} needs 2^{k} = {1 << k:,} evaluations; "
                               f"budget={budget:,} (use 'auto' or a sampled estimator, or raise the budget)")
