@@ -3,7 +3,8 @@
     ray job submit --working-dir . -- python jobs/fi_locomo.py --locomo /data/locomo10.json --out /results/fi
     python jobs/fi_locomo.py --config fi.yaml --out /results/fi      # keys: the fields of pipeline.bench.config.EvalConfig
 
-With --config, the YAML holds EvalConfig fields (locomo, conversations, max_cases, methods, utility, budgets, seed,
+With --config, the YAML holds EvalConfig fields (locomo, conversations, max_cases, methods, utility, budgets,
+eval_budgets, seed,
 replicates, top_k, redundancy, tau, kappa, filter_threshold, dense, agent, agent_options, executor, actors,
 gpus_per_actor); unknown keys are an error. Without it, the flags are those of `meclear eval`. Under `ray job submit`
 RAY_ADDRESS is set, so the run joins that cluster and shards conversations and case chunks over its actors.

@@ -54,7 +54,13 @@ def add_parser(sub, add_agent_args, agent_options) -> None:
     e.add_argument("--replicates", type=int, default=d("replicates"), help="bootstrap replicates (default %(default)s)")
     e.add_argument("--permutation-budgets", default=",".join(map(str, d("budgets"))),
                    help="MeClear permutation budgets L (default %(default)s)")
-    e.add_argument("--redundancy", type=int, default=d("redundancy"), help="fault records per redundant conflict, r >= 2")
+    e.add_argument("--budgets", default="",
+                   help="agent evaluations per case, comma list (e.g. 16,32,64,128,256): the budgeted benchmark; every "
+                        "estimator of the audit, ContextCite and ProxySPEX runs at every budget, clearance checks "
+                        "included; exact enumeration only at K <= 12; adds budget curves (summary, curves_<mode>.png)")
+    e.add_argument("--redundancy", default="",
+                   help="fault records per redundant conflict, r >= 2; a comma list builds one redundant variant per r "
+                        "(default 2, or 2,3 with --budgets)")
     e.add_argument("--top-k", type=int, default=d("top_k"), help="retrieval budget K (default %(default)s)")
     e.add_argument("--tau", type=float, default=d("tau"), help="harm tolerance tau")
     e.add_argument("--kappa", type=float, default=d("kappa"), help="LOO screen tolerance kappa")
@@ -82,7 +88,8 @@ def config_from_args(args: argparse.Namespace, agent_options) -> "EvalConfig":  
         locomo=args.locomo, conversations=tuple(_csv(args.conversations)), max_cases=args.max_cases,
         max_queries=args.max_queries, methods=tuple(_csv(args.methods)), utility=tuple(_csv(args.utility)),
         budgets=_ints("--permutation-budgets", args.permutation_budgets), seed=args.seed, replicates=args.replicates,
-        top_k=args.top_k, redundancy=args.redundancy, tau=args.tau, kappa=args.kappa,
+        eval_budgets=_ints("--budgets", args.budgets),
+        top_k=args.top_k, redundancy=_ints("--redundancy", args.redundancy) or None, tau=args.tau, kappa=args.kappa,
         filter_threshold=args.filter_threshold, dense=args.dense, agent=args.agent, agent_options=agent_options(args),
         executor=args.executor, actors=args.actors, gpus_per_actor=args.gpus_per_actor,
     )

@@ -81,12 +81,25 @@ def check_seed(value: object, where: str) -> None:
     check(0 <= value <= MAX_SEED, where, f"seed={value!r}; allowed 0..2**63-1")  # type: ignore[operator]
 
 
+# A budget is distinct agent evaluations per query (pipeline.game.estimators.split_budget). The cap stops a typo from
+# starting an unbounded night: 2^20 is exact enumeration at the largest K, and no estimator needs more.
+MAX_BUDGET = 1 << 20
+
+
+def check_budget_setting(value: object, where: str, top_k: int, field: str = "budget", none: bool = True) -> None:
+    """An evaluation budget per query: an integer from top_k+2 (the empty set, the full context and the full context
+    minus each memory, which every estimator asks first) to MAX_BUDGET; 0 means no budget where `none` allows it."""
+    check_integer(value, where, field)
+    low = top_k + 2
+    check((none and value == 0) or low <= value <= MAX_BUDGET, where,  # type: ignore[operator]
+          f"{field}={value!r}; allowed {low}..{MAX_BUDGET:,} agent evaluations per query (top_k+2 = {low}: the empty "
+          "set, the full context and the full context minus each memory)" + (", or 0 for none" if none else ""))
+
+
 # One rule per setting, validity included: every config that holds one of these settings (the audit's `AuditConfig`,
 # the benchmark's `EvalConfig`, `MethodConfig`, `BuildConfig` and `PoolIndex`) checks it through `check_setting`,
 # nowhere else (tests/test_setting_rules.py lists every declaration and every call). top_k's rule is declared by
 # retrieval, which owns K and, sitting below this module, calls it directly.
-# Hook for the estimators branch's `--budget`: declare `check_budget` here, add "budget" below, and call
-# `check_setting("budget", ...)` from each config that holds a budget; the test then asks for the new name.
 SETTING_RULES: dict[str, Callable[..., None]] = {
     "tau": check_tau,
     "kappa": check_kappa,
@@ -94,6 +107,7 @@ SETTING_RULES: dict[str, Callable[..., None]] = {
     "permutations": check_permutations,
     "utility": check_utility,
     "seed": check_seed,
+    "budget": check_budget_setting,
 }
 
 
@@ -159,7 +173,7 @@ class AuditConfig(RunSettings):
 
     def __post_init__(self) -> None:
         w = "audit config"
-        for name in ("batch_size", "embed_actors", "budget"):  # YAML `true` is no count
+        for name in ("batch_size", "embed_actors"):  # YAML `true` is no count
             check_integer(getattr(self, name), w, name)
         check_setting("permutations", self.permutations, w, low=0)
         self.check_run_settings(w)
@@ -171,9 +185,7 @@ class AuditConfig(RunSettings):
               f"estimator='exact' with top_k={self.top_k} needs 2^{self.top_k} = {1 << self.top_k:,} agent calls per query; "
               f"exact is allowed up to top_k={MAX_EXACT_K}, use estimator 'auto' or 'permutation' above")
         check(self.estimator in ESTIMATORS, w, f"estimator={self.estimator!r}; allowed {ESTIMATORS}")
-        check(self.budget == 0 or self.budget >= self.top_k + 2, w,
-              f"budget={self.budget}; must be 0 (none) or at least top_k+2 = {self.top_k + 2} agent evaluations per "
-              "query (the empty set, the full context and the full context minus each memory)")
+        check_setting("budget", self.budget, w, top_k=self.top_k)
         check(self.budget == 0 or self.estimator != "exact" or self.budget >= 1 << self.top_k, w,
               f"estimator='exact' with budget={self.budget} at top_k={self.top_k}: exact needs 2^{self.top_k} = "
               f"{1 << self.top_k:,} evaluations per query; raise the budget or use estimator 'auto'")

@@ -18,19 +18,21 @@ from pipeline.errors import ConfigError
 from pipeline.settings import MAX_PERMUTATIONS, SETTING_RULES, AuditConfig
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pipeline"
-DECLARED = {"tau", "kappa", "top_k", "permutations", "utility", "seed"}  # "budget" joins with --budget
+DECLARED = {"tau", "kappa", "top_k", "permutations", "utility", "seed", "budget"}
 
 # Every call of a rule: (module, setting). A new config holding a shared setting adds its call here.
 CHECKS = {
     ("settings.py", "seed"), ("settings.py", "top_k"), ("settings.py", "tau"), ("settings.py", "kappa"),
-    ("settings.py", "permutations"), ("settings.py", "utility"),
+    ("settings.py", "permutations"), ("settings.py", "utility"), ("settings.py", "budget"),
+    ("bench/config.py", "budget"),
     ("bench/config.py", "permutations"), ("bench/config.py", "utility"),
     ("bench/methods.py", "tau"), ("bench/methods.py", "kappa"),
     ("bench/builder.py", "top_k"), ("bench/builder.py", "seed"), ("bench/reretrieval.py", "top_k"),
 }
 # Rules called directly, where `check_setting` cannot be imported: retrieval owns K's rule and sits below settings.
 DIRECT = {("retrieval.py", "check_top_k")}
-RULE_FUNCTIONS = {"check_tau", "check_kappa", "check_top_k", "check_permutations", "check_utility", "check_seed"}
+RULE_FUNCTIONS = {"check_tau", "check_kappa", "check_top_k", "check_permutations", "check_utility", "check_seed",
+                  "check_budget_setting"}
 
 # setting -> values every holder must refuse (NaN and infinities first: the defect of issue 19)
 BAD = {
@@ -40,13 +42,16 @@ BAD = {
     "permutations": [-1, MAX_PERMUTATIONS + 1, True, 1.5, math.inf],
     "utility": ["prob", "", None, 1],
     "seed": [-5, 2**63, True, 1.0, math.nan],
+    "budget": [-1, 3, 6, (1 << 20) + 1, True, 64.0, math.inf],  # 6 < top_k+2 at the default K=5
 }
 
 
 def _holders(name: str, value):
     """Build every config that holds setting `name` with `value` (zero-argument callables)."""
     out = {"AuditConfig": lambda: AuditConfig(**{name: value})}
-    if name == "permutations":  # the benchmark's permutation budgets
+    if name == "budget":  # the benchmark's --budgets: agent evaluations per case
+        out["EvalConfig.eval_budgets"] = lambda: EvalConfig(locomo="x", eval_budgets=(value,))
+    elif name == "permutations":  # the benchmark's permutation budgets
         out["EvalConfig.budgets"] = lambda: EvalConfig(locomo="x", budgets=(value,))
     elif name == "utility":  # the benchmark runs a set of utility modes
         out["EvalConfig.utility"] = lambda: EvalConfig(locomo="x", utility=(value,))
@@ -108,8 +113,9 @@ def test_every_holder_refuses_what_the_rule_refuses_with_the_same_words(name, va
     assert len(messages) >= 2, messages  # the audit and the benchmark both hold every shared setting
     # one rule: one message wherever the setting is held, up to the lower bound a holder passes to it (the benchmark
     # needs K >= 2 for its redundant pairs; the audit's permutations=0 means the estimator's default)
-    texts = {re.sub(r"allowed \d+\.\.", "allowed LOW..", m.replace("budgets=", "permutations="))
-             .replace(" (0: the estimator's default)", "") for m in messages.values()}
+    texts = {re.sub(r"allowed \d+\.\.", "allowed LOW..", m.replace("budgets=", f"{name}=" if name == "budget"
+                                                                   else "permutations="))
+             .replace(" (0: the estimator's default)", "").replace(", or 0 for none", "") for m in messages.values()}
     assert len(texts) == 1, messages
 
 

@@ -46,8 +46,10 @@ def test_eval_flags_default_to_the_config_defaults():
     args = _parser("eval").parse_args(["--locomo", "x.json", "--out", "o"])
     default = EvalConfig(locomo="x.json")
     for name in ("top_k", "tau", "kappa", "seed", "dense", "agent", "actors", "gpus_per_actor", "max_cases",
-                 "replicates", "redundancy", "filter_threshold"):
+                 "replicates", "filter_threshold"):
         assert getattr(args, name) == getattr(default, name), name
+    # --redundancy is a comma list; empty means the config's rule (r=2, or r=2,3 with --budgets)
+    assert args.redundancy == "" and default.redundancy == (2,) and args.budgets == "" and default.eval_budgets == ()
     assert args.permutation_budgets == ",".join(map(str, default.budgets))
     assert expand_methods(args.methods.split(","), default.budgets) == default.methods
     assert args.executor == "local"  # the eval command's own choice for small machines (see eval_cli)

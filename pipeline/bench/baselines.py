@@ -80,6 +80,10 @@ class CachedOracle:
     def evaluations(self) -> int:
         return len(self._utility)
 
+    def seen(self, masks: np.ndarray) -> np.ndarray:
+        """Per mask: already evaluated (free to ask again)."""
+        return np.array([int(m) in self._utility for m in np.asarray(masks).ravel()], dtype=bool)
+
     def __call__(self, masks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         masks = np.asarray(masks, dtype=np.int64)
         if masks.size and (masks.min() < 0 or masks.max() > full_mask(self.k)):

@@ -53,6 +53,13 @@ BLOCK = 32  # clean queries tried together, so their candidate faults are embedd
 POSITION_SLACK = 1  # a position may run this many fault records ahead of the per-position mean of its conversation
 
 
+def position_slack(top_k: int) -> int:
+    """The balancing slack for a context of `top_k`: POSITION_SLACK per five positions (1 at K=5, 2 at K=10, 4 at
+    K=20). Why: with the K=5 slack at K=10, 95% of retrieved fault sets on conv-26 were skipped as over-full (a
+    conversation's faults fill ten positions slowly, so the mean stays low) and a conversation yielded 23 cases."""
+    return max(POSITION_SLACK, POSITION_SLACK * top_k // 5)
+
+
 class CachedAgent:
     """Wraps an Agent: answers each distinct request (question, options, memories) once, and counts the requests
     forwarded to the agent by phase (`calls[phase]`) and those answered from the cache (`hits`). cache=False only
@@ -102,7 +109,7 @@ class BuildConfig:
     """How cases are built. max_cases caps the kept cases of each mechanism over the whole run (0: no cap)."""
 
     top_k: int = DEFAULT_TOP_K
-    redundancy: int = 2  # r, records per redundant conflict
+    redundancy: int | tuple[int, ...] = 2  # r, records per redundant conflict; several: one redundant variant each
     max_cases: int = 0
     max_queries: int = 0  # clean-check at most the first N eligible queries of each conversation (0: all)
     max_distractors: int = 2  # distractors tried per (query, mechanism)
@@ -114,8 +121,12 @@ class BuildConfig:
         w = "build config"
         check_setting("top_k", self.top_k, w, low=2)  # room for a redundant pair
         check_setting("seed", self.seed, w)
-        check(isinstance(self.redundancy, int) and 2 <= self.redundancy <= min(len(STRONG_TEMPLATES), self.top_k), w,
-              f"redundancy={self.redundancy!r}; allowed 2..{min(len(STRONG_TEMPLATES), self.top_k)}")
+        rs = (self.redundancy,) if isinstance(self.redundancy, int) else tuple(self.redundancy)
+        object.__setattr__(self, "redundancy", rs)
+        hi = min(len(STRONG_TEMPLATES), self.top_k)
+        check(bool(rs) and len(set(rs)) == len(rs) and all(isinstance(r, int) and not isinstance(r, bool)
+                                                          and 2 <= r <= hi for r in rs), w,
+              f"redundancy={rs!r}; allowed distinct values in 2..{hi}")
         check(isinstance(self.max_cases, int) and self.max_cases >= 0, w, f"max_cases={self.max_cases!r}; must be >= 0")
         check(isinstance(self.max_queries, int) and not isinstance(self.max_queries, bool) and self.max_queries >= 0, w,
               f"max_queries={self.max_queries!r}; must be >= 0")
@@ -123,6 +134,23 @@ class BuildConfig:
               f"max_distractors={self.max_distractors!r}; must be >= 1")
         check(bool(self.mechanisms) and set(self.mechanisms) <= set(MECHANISMS), w,
               f"mechanisms={self.mechanisms!r}; allowed a non-empty subset of {MECHANISMS}")
+
+
+    @property
+    def variants(self) -> tuple[tuple[str, str, int], ...]:
+        """(label, mechanism, records) of every fault variant built: one per mechanism, and one redundant variant per
+        r. The first r is labelled 'redundant' (so a single-r build keeps its case ids), the others 'redundant_r<r>'."""
+        out = []
+        for m in self.mechanisms:
+            if m == "redundant":
+                out += [(variant_label(r, self.redundancy[0]), m, r) for r in self.redundancy]
+            else:
+                out.append((m, m, 1 if m == "direct" else 2))
+        return tuple(out)
+
+
+def variant_label(r: int, primary: int) -> str:
+    return "redundant" if r == primary else f"redundant_r{r}"
 
 
 @dataclass(frozen=True)
@@ -138,6 +166,11 @@ class BenchCase:
     @property
     def conversation(self) -> str:
         return self.case.query.pool_id
+
+    @property
+    def variant(self) -> str:
+        """The fault variant: the mechanism, or 'redundant_r<r>' for an extra redundancy (the case id's suffix)."""
+        return self.case_id.rsplit(":", 1)[1]
 
     @property
     def fault_positions(self) -> tuple[int, ...]:
@@ -209,14 +242,14 @@ def position_ok(hist: np.ndarray, positions: tuple[int, ...], slack: int = POSIT
 
 
 def cap_cases(cases: list[BenchCase], cap: int) -> list[BenchCase]:
-    """The first `cap` cases of each mechanism, in the given order (cap 0: all)."""
+    """The first `cap` cases of each fault variant (mechanism), in the given order (cap 0: all)."""
     if not cap:
         return list(cases)
     seen: Counter[str] = Counter()
     out = []
     for c in cases:
-        seen[c.mechanism] += 1
-        if seen[c.mechanism] <= cap:
+        seen[c.variant] += 1
+        if seen[c.variant] <= cap:
             out.append(c)
     return out
 
@@ -276,7 +309,8 @@ def build_pool(
     eligible = eligible[: config.max_queries] if config.max_queries else eligible
     cached = agent if isinstance(agent, CachedAgent) else CachedAgent(agent)
     idf = index.idf(pool.pool_id)
-    counts = {m: MechanismCount() for m in config.mechanisms}
+    variants = config.variants
+    counts = {label: MechanismCount() for label, _, _ in variants}
     kept: list[BenchCase] = []
     cap = config.max_cases or None
     hist = np.zeros(config.top_k, dtype=np.int64)  # fault records kept per context position
@@ -289,7 +323,7 @@ def build_pool(
     step = BLOCK if cap is None else max(4, min(BLOCK, cap))  # a small cap should not try queries it never keeps
     bar = _Progress(len(eligible), f"building {pool.pool_id}", progress)
     for start in range(0, len(eligible), step):
-        if all(full(m) for m in config.mechanisms):
+        if all(full(label) for label, _, _ in variants):
             break  # every quota met: the rest of the conversation is never asked
         cached.phase = "clean"
         block = clean_queries(cached, index, eligible[start : start + step])
@@ -301,13 +335,13 @@ def build_pool(
         pending = []  # [query, q_emb, mechanism, candidates, index of the next candidate]
         for query, q_emb in block:
             words = content_words(query.question, idf)
-            for m in config.mechanisms:
+            for m, mech, r in variants:  # m: the variant's label (the mechanism, or redundant_r<r>)
                 if full(m):
                     continue
                 counts[m].tried += 1
                 rng = _rng(config.seed, query.query_id, m)
                 case_id = f"{query.query_id}:{m}"
-                specs = fault_specs(m, query, pool, len(words), config.redundancy, rng, config.max_distractors)
+                specs = fault_specs(mech, query, pool, len(words), max(r, 2), rng, config.max_distractors)
                 cands = [(sp, fault_memories(pool.pool_id, case_id, sp, query.question, words)) for sp in specs]
                 pending.append([query, q_emb, m, cands, 0])
         # Waves: candidate j of every unresolved (query, mechanism) is embedded in one batch, so only the fault sets
@@ -329,8 +363,9 @@ def build_pool(
                 else:
                     case_id = f"{query.query_id}:{m}"
                     seed = case_seed(config.seed, query.pool_id, case_id)
-                    bc = BenchCase(case_id, m, Case(query, ctx, seed), ids, spec)
-                    if not (config.balance_positions and ctx.k == hist.size) or position_ok(hist, bc.fault_positions):
+                    bc = BenchCase(case_id, spec.mechanism, Case(query, ctx, seed), ids, spec)
+                    if (not (config.balance_positions and ctx.k == hist.size)
+                            or position_ok(hist, bc.fault_positions, position_slack(config.top_k))):
                         if verify(cached, bc):
                             counts[m].verified += 1
                             kept.append(bc)
@@ -347,7 +382,8 @@ def build_pool(
         bar.update(min(start + step, len(eligible)), min(step, len(eligible) - start),
                    cases=len(kept), calls=sum(cached.calls.values()))
     bar.close()
-    kept.sort(key=lambda c: (clean_order[c.case.query.query_id], MECHANISMS.index(c.mechanism)))
+    order = [label for label, _, _ in variants]
+    kept.sort(key=lambda c: (clean_order[c.case.query.query_id], order.index(c.variant)))
     kept = cap_cases(kept, config.max_cases)
     log.info("%s: %d eligible, %d clean, kept %s", pool.pool_id, len(eligible), n_clean,
              {m: c.verified for m, c in counts.items()})

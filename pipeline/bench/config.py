@@ -23,20 +23,29 @@ class EvalConfig(RunSettings):
     max_queries: int = 0  # eligible queries tried per conversation, in file order; 0 = all
     methods: tuple[str, ...] = DEFAULT_METHODS
     utility: tuple[str, ...] = UTILITY_MODES
-    budgets: tuple[int, ...] = DEFAULT_BUDGETS
+    budgets: tuple[int, ...] = DEFAULT_BUDGETS  # MeClear permutation budgets L (the paper's setting)
+    # Evaluation budgets B (distinct agent calls per case, clearance included): non-empty = the budgeted benchmark,
+    # every contract estimator, ContextCite and ProxySPEX at every B (`meclear eval --budgets`).
+    eval_budgets: tuple[int, ...] = ()
     replicates: int = DEFAULT_REPLICATES
-    redundancy: int = 2
+    redundancy: int | tuple[int, ...] | None = None  # r per redundant variant; None: (2,), or (2, 3) with eval_budgets
     filter_threshold: float = 0.5
 
     def __post_init__(self) -> None:
         w = "eval config"
-        for name in ("conversations", "methods", "utility", "budgets"):
+        for name in ("conversations", "methods", "utility", "budgets", "eval_budgets"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
+        r = self.redundancy
+        r = ((2, 3) if self.eval_budgets else (2,)) if r is None else ((r,) if isinstance(r, int) else tuple(r))
+        object.__setattr__(self, "redundancy", r)
         check(isinstance(self.locomo, str) and bool(self.locomo), w, f"locomo={self.locomo!r}; a LoCoMo json path")
         check(bool(self.budgets), w, "budgets is empty")
         for b in self.budgets:  # each a permutation budget L of MeClear
             check_setting("permutations", b, w, field="budgets")
-        object.__setattr__(self, "methods", expand_methods(self.methods, self.budgets))
+        for b in self.eval_budgets:  # agent evaluations per case, by the audit's one budget rule
+            check_setting("budget", b, w, top_k=self.top_k, field="budgets", none=False)
+        check(len(set(self.eval_budgets)) == len(self.eval_budgets), w, f"budgets={self.eval_budgets!r} repeats a value")
+        object.__setattr__(self, "methods", expand_methods(self.methods, self.budgets, self.eval_budgets, self.top_k))
         check(bool(self.methods), w, "methods is empty")
         check(bool(self.utility), w, f"utility is empty; allowed a non-empty subset of {UTILITY_MODES}")
         for mode in self.utility:

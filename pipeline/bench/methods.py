@@ -4,12 +4,12 @@ Every method sees the case only through a counting oracle (`CachedOracle`) in on
 `evaluations` are the distinct coalitions it asked for, clearance checks included. The agent itself answers each
 coalition once per case (`CaseOutcomes`); both utility modes and all methods read from that table.
 
-- meclear_l{L}: L permutations forced (make_plan(..., estimator="permutation")), plus the LOO coalitions the plan
-  always holds; meclear_exact: all 2^K coalitions. Shapley values, harmful ranking (phi < -tau, ties by LOO), nested
-  verified clearance. Pairwise interactions are diagnostics in MeClear and do not enter the ranking or the clearance,
+- meclear_l{L}: the contract's permutation estimator with L permutations fixed (pipeline.game.estimators), plus the
+  LOO coalitions it always holds; meclear_exact: the contract's exact enumeration, all 2^K coalitions. Shapley
+  values, harmful ranking (phi < -tau, ties by LOO), nested verified clearance. Pairwise interactions are diagnostics in MeClear and do not enter the ranking or the clearance,
   so the benchmark does not compute them.
 - loo: rank by LOO effect, same nested clearance; loo_threshold: remove every memory with loo < -tau at once.
-- contextcite, proxyspex: `pipeline.bench.baselines`, same ranking rule (without LOO tie-break: it would cost
+- contextcite, proxyspex: the contract's surrogates (`pipeline.game.surrogates`), same ranking rule (without LOO tie-break: it would cost
   evaluations they do not make) and the same nested clearance.
 - filter: the agent's own `drop_memories` (LLM agents) or, for agents without one, the relevance-threshold filter on
   lexical relevance (the fraction of the question's content words a memory contains); no nested search. The LLM
@@ -24,20 +24,21 @@ with the case seed: `pipeline.bench.metrics.full_ranking`), which full-ranking R
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from pipeline.agents.base import Agent
-from pipeline.bench.baselines import CachedOracle, context_cite, loo, proxyspex, relevance_filter
+from pipeline.bench.baselines import CachedOracle, loo, relevance_filter
 from pipeline.bench.builder import BenchCase
 from pipeline.bench.metrics import full_ranking
 from pipeline.bench.outcomes import CaseOutcomes
 from pipeline.errors import ConfigError
-from pipeline.game import harmful_ranking, make_plan, select_clearance, shapley_exact, shapley_permutation
-from pipeline.game.attribution import loo_effects
+from pipeline.game import harmful_ranking, select_clearance
 from pipeline.game.clearance import clearance_coalitions
-from pipeline.game.plan import DEFAULT_PERMUTATIONS, full_mask
+from pipeline.game.plan import full_mask, loo_coalitions
+from pipeline.game.sparse import SparseTable
 from pipeline.settings import DEFAULT_KAPPA, DEFAULT_TAU, check_number, check_setting
 from pipeline.text import tokens
 
@@ -45,7 +46,23 @@ FAMILIES = ("meclear", "loo", "contextcite", "proxyspex", "filter")
 CONTROLS = ("position", "random", "oracle")
 DEFAULT_BUDGETS = (4, 8, 16)
 METHOD_FAMILIES = (*FAMILIES, "loo_threshold", *CONTROLS)  # what a Method's family may be
-_ALLOWED = f"allowed {FAMILIES}, loo_threshold, meclear_exact, meclear_l<L>, controls, {', '.join(CONTROLS)}"
+BASELINE_ESTIMATORS = ("contextcite", "proxyspex")  # surrogates behind the estimator contract, benchmarked as baselines
+# Exact enumeration costs 2^K agent calls per case: 4,096 at K=12 is the most the benchmark affords (the issue's line);
+# above it exact never runs, and "same harmful set as exact" is not reported.
+EXACT_MAX_K = 12
+_ALLOWED = (f"allowed {FAMILIES}, loo_threshold, meclear_exact, meclear_l<L>, <estimator>_b<B> (estimators of "
+            f"pipeline.game.estimators, contextcite_b<B>, proxyspex_b<B>), controls, {', '.join(CONTROLS)}")
+_BUDGETED = re.compile(r"^([a-z][a-z0-9_]*?)_b([0-9]+)$")
+
+
+def meclear_estimators() -> tuple[str, ...]:
+    """The audit's MeClear estimators (the contract's registry, less exact enumeration and the surrogate baselines),
+    each of which the budgeted benchmark runs at every budget."""
+    from pipeline.game.estimators import ESTIMATOR_NAMES
+
+    return tuple(n for n in ESTIMATOR_NAMES if n != "exact" and n not in BASELINE_ESTIMATORS)
+
+
 DEFAULT_METHODS = ("meclear", "loo", "contextcite", "proxyspex", "filter", "controls")  # CLI words, see expand_methods
 
 
@@ -67,29 +84,53 @@ class MethodConfig:
                 raise ConfigError(f"method config: {name}={v!r}; must be an integer >= 1")
 
 
+def _positive_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
 @dataclass(frozen=True)
 class Method:
-    """One benchmarked method: its family and, for MeClear, the permutation budget L (None: exact enumeration)."""
+    """One benchmarked method: its family and, for MeClear, the permutation budget L (None: exact enumeration).
+
+    A budgeted method (`evals` set) is a contract estimator (`estimator`: a MeClear estimator name, or the family for
+    contextcite/proxyspex) run at a budget of `evals` distinct agent evaluations per case, clearance checks included.
+    """
 
     family: str  # meclear, loo, loo_threshold, contextcite, proxyspex, filter, or a control
     budget: int | None = None
+    estimator: str | None = None  # budgeted MeClear: the contract estimator's name
+    evals: int | None = None  # budgeted methods: evaluations per case
 
     def __post_init__(self) -> None:
-        budget_ok = self.budget is None or (self.family == "meclear" and isinstance(self.budget, int)
-                                            and not isinstance(self.budget, bool) and self.budget >= 1)
-        if self.family not in METHOD_FAMILIES or not budget_ok:
-            raise ConfigError(f"methods: family {self.family!r} with budget {self.budget!r} is not a method; {_ALLOWED}")
+        if self.evals is not None:
+            ok = (_positive_int(self.evals) and self.budget is None
+                  and ((self.family == "meclear" and bool(self.estimator))
+                       or (self.family in BASELINE_ESTIMATORS and self.estimator is None)))
+        else:
+            ok = self.estimator is None and (self.budget is None or (self.family == "meclear"
+                                                                     and _positive_int(self.budget)))
+        if self.family not in METHOD_FAMILIES or not ok:
+            raise ConfigError(f"methods: family {self.family!r} with budget {self.budget!r}, estimator "
+                              f"{self.estimator!r}, evaluations {self.evals!r} is not a method; {_ALLOWED}")
 
     @property
     def name(self) -> str:
-        """The method's name in cases.parquet and the summary: meclear_l<L>, meclear_exact, or the family."""
+        """The method's name in cases.parquet and the summary: meclear_l<L>, meclear_exact, <estimator>_b<B>,
+        contextcite_b<B>, proxyspex_b<B>, or the family."""
+        if self.evals is not None:
+            return f"{self.estimator or self.family}_b{self.evals}"
         if self.family != "meclear":
             return self.family
         return "meclear_exact" if self.budget is None else f"meclear_l{self.budget}"
 
+    @property
+    def curve(self) -> str:
+        """The curve a method belongs to in the budget curves: the name less its budget (`adaptive`, `contextcite`)."""
+        return self.name if self.evals is None else (self.estimator or self.family)
+
     @classmethod
     def parse(cls, name: str) -> "Method":
-        """The method a single name stands for (meclear_l8, meclear_exact, loo_threshold, position, ...)."""
+        """The method a single name stands for (meclear_l8, meclear_exact, adaptive_b64, contextcite_b64, ...)."""
         if name == "meclear_exact":
             return cls("meclear")
         digits = name.removeprefix("meclear_l") if name.startswith("meclear_l") else ""
@@ -97,23 +138,45 @@ class Method:
             return cls("meclear", int(digits))
         if name != "meclear" and name in METHOD_FAMILIES:
             return cls(name)
+        hit = _BUDGETED.match(name)
+        if hit and int(hit.group(2)) >= 1:
+            est, b = hit.group(1), int(hit.group(2))
+            if est in BASELINE_ESTIMATORS:
+                return cls(est, evals=b)
+            if est in meclear_estimators():
+                return cls("meclear", estimator=est, evals=b)
         raise ConfigError(f"methods: {name!r} is not a method; {_ALLOWED}")
 
 
-def expand_methods(names: list[str] | tuple[str, ...], budgets: tuple[int, ...] = DEFAULT_BUDGETS) -> tuple[str, ...]:
+def expand_methods(names: list[str] | tuple[str, ...], budgets: tuple[int, ...] = DEFAULT_BUDGETS,
+                   eval_budgets: tuple[int, ...] = (), top_k: int = 0) -> tuple[str, ...]:
     """Method names from CLI words: 'meclear' -> meclear_l<L> for each budget + meclear_exact, 'loo' -> loo +
     loo_threshold, 'controls' -> position + random + oracle; single names (meclear_l8, meclear_exact, loo_threshold,
-    position, ...) pass through. Order kept, no repeats."""
+    position, ...) pass through. Order kept, no repeats.
+
+    With `eval_budgets` (the budgeted benchmark, `--budgets`): 'meclear' -> every contract MeClear estimator at every
+    budget (<estimator>_b<B>) + meclear_exact, 'contextcite' -> contextcite_b<B>, 'proxyspex' -> proxyspex_b<B>.
+    meclear_exact is left out of 'meclear' above EXACT_MAX_K, and asking for it by name there is an error.
+    """
     out: list[Method] = []
+    exact_ok = not top_k or top_k <= EXACT_MAX_K
     for n in names:
-        if n == "meclear":
-            out += [Method("meclear", b) for b in budgets] + [Method("meclear")]
+        if n == "meclear" and eval_budgets:
+            out += [Method("meclear", estimator=e, evals=b) for e in meclear_estimators() for b in eval_budgets]
+            out += [Method("meclear")] if exact_ok else []
+        elif n == "meclear":
+            out += [Method("meclear", b) for b in budgets] + ([Method("meclear")] if exact_ok else [])
+        elif n in BASELINE_ESTIMATORS and eval_budgets:
+            out += [Method(n, evals=b) for b in eval_budgets]
         elif n == "loo":
             out += [Method("loo"), Method("loo_threshold")]
         elif n == "controls":
             out += [Method(c) for c in CONTROLS]
         else:
             out.append(Method.parse(n))
+    if not exact_ok and Method("meclear") in out:
+        raise ConfigError(f"methods: meclear_exact at K={top_k} would evaluate 2^{top_k} coalitions per case; exact "
+                          f"enumeration runs only for K <= {EXACT_MAX_K}")
     return tuple(dict.fromkeys(m.name for m in out))
 
 
@@ -132,12 +195,26 @@ class Outcome:
     permutations: int | None = None  # MeClear's permutation budget L (None: exact enumeration, or not MeClear)
 
 
-def _clear(k: int, ranking: np.ndarray, ev: CachedOracle) -> tuple[tuple[int, ...], bool, float, float]:
-    """Nested verified clearance over `ranking`, evaluating its candidates through `ev`."""
+def affordable(k: int, ranking: np.ndarray, ev: CachedOracle, budget: int | None) -> np.ndarray:
+    """The longest prefix of `ranking` whose nested clearance candidates fit in what is left of `budget` (distinct
+    evaluations; coalitions the method already evaluated are free). None: the whole ranking."""
+    ranking = np.asarray(ranking, dtype=np.int64)
+    if budget is None:
+        return ranking
+    kept = clearance_coalitions(k, ranking)
+    new = np.cumsum(~ev.seen(kept))  # new[j]: evaluations the first j+1 candidates add
+    fits = np.flatnonzero(ev.evaluations + new <= budget)
+    return ranking[: int(fits[-1])] if fits.size else ranking[:0]
+
+
+def _clear(k: int, ranking: np.ndarray, ev: CachedOracle,
+           budget: int | None = None) -> tuple[tuple[int, ...], bool, float, float]:
+    """Nested verified clearance over `ranking` (cut to what `budget` affords), evaluating its candidates through `ev`.
+    Values are held sparsely: never a 2^K table."""
+    ranking = affordable(k, ranking, ev, budget)
     kept = clearance_coalitions(k, ranking)
     util, ok = ev(kept)
-    values = np.full(1 << k, np.nan)
-    correct = np.zeros(1 << k, dtype=bool)
+    values, correct = SparseTable(k), SparseTable(k, fill=False, dtype=bool)
     values[kept], correct[kept] = util, ok
     c = select_clearance(k, ranking, values, correct)
     return c.removed, c.recovered, c.baseline_utility, c.cleared_utility
@@ -148,9 +225,9 @@ def _full(scores: np.ndarray, seed: int) -> tuple[int, ...]:
 
 
 def _ranked(k: int, attribution: np.ndarray, ev: CachedOracle, tau: float, name: str, seed: int,
-            loo_tie: np.ndarray | None = None) -> Outcome:
+            loo_tie: np.ndarray | None = None, budget: int | None = None) -> Outcome:
     ranking = harmful_ranking(attribution, tau, loo_tie)
-    removed, recovered, base, cleared = _clear(k, ranking, ev)
+    removed, recovered, base, cleared = _clear(k, ranking, ev, budget)
     return Outcome(tuple(int(i) for i in ranking), removed, recovered, ev.evaluations, base, cleared, name,
                    _full(attribution, seed))
 
@@ -171,13 +248,50 @@ def control(name: str, k: int, ev: CachedOracle, seed: int, faults: tuple[int, .
 
 
 def meclear(k: int, ev: CachedOracle, budget: int | None, seed: int, tau: float) -> Outcome:
-    """MeClear with L=budget forced permutations, or exact enumeration (budget None)."""
-    plan = make_plan(k, budget or DEFAULT_PERMUTATIONS, "exact" if budget is None else "permutation", seed=seed)
-    util, _ = ev(plan.coalitions)
-    values = np.full(1 << k, np.nan)
-    values[plan.coalitions] = util
-    phi = shapley_exact(values) if budget is None else shapley_permutation(values, plan.permutations)[0]
-    return replace(_ranked(k, phi, ev, tau, plan.estimator, seed, loo_effects(values)), permutations=budget)
+    """MeClear with L=budget permutations (the contract's `permutation` estimator with L fixed, the paper's setting),
+    or exact enumeration (budget None); ranking ties broken by LOO, whose coalitions both always evaluate."""
+    from pipeline.game.estimators import get_estimator
+
+    if budget is None:
+        est, cap = get_estimator("exact"), 1 << k
+    else:  # L permutations touch at most L*(K-1)+2 prefixes, plus the K LOO coalitions
+        est, cap = get_estimator("permutation", permutations=budget), min(1 << k, budget * (k - 1) + 2 + k)
+    attr = est.estimate(OracleGame(k, ev), cap, np.random.default_rng(seed))
+    util, _ = ev(loo_coalitions(k))  # already evaluated: no new agent call
+    out = _ranked(k, attr.values, ev, tau, "exact" if budget is None else "permutation", seed, util[0] - util[1:])
+    return replace(out, permutations=budget)
+
+
+class OracleGame:
+    """The estimator contract's `Game` over a method's counting oracle: utilities only, each coalition evaluated once
+    (the oracle caches), so an estimator's spend is the oracle's distinct coalitions."""
+
+    def __init__(self, k: int, ev: CachedOracle):
+        self.n_players, self.ev = k, ev
+
+    def __call__(self, masks: np.ndarray) -> np.ndarray:
+        return self.ev(np.asarray(masks, dtype=np.int64))[0]
+
+
+def budgeted(method: Method, k: int, ev: CachedOracle, seed: int, tau: float) -> Outcome:
+    """A contract estimator at `method.evals` evaluations per case: the estimator gets `split_budget(B, K)` of them
+    (the audit's split), the nested clearance what is left (its ranking cut to fit, `affordable`), so the total
+    never exceeds B. Ranked by the estimate alone (no LOO tie-break: LOO would cost evaluations the budget lacks)."""
+    from pipeline.game.estimators import split_budget
+
+    name = method.estimator or method.family
+    values = _estimate(name, k, ev, split_budget(method.evals, k), seed, tau)
+    return _ranked(k, values, ev, tau, name, seed, budget=method.evals)
+
+
+def _estimate(name: str, k: int, ev: CachedOracle, budget: int, seed: int, tau: float) -> np.ndarray:
+    """The contract estimator `name`'s values over `ev` within `budget`, seeded by the case: the audit's options
+    (adaptive stops on separation from -tau; a surrogate's trees take the case seed, its masks come from the rng)."""
+    from pipeline.game.estimators import get_estimator
+
+    options = {"tau": tau} if name == "adaptive" else {"seed": seed} if name in BASELINE_ESTIMATORS else {}
+    attr = get_estimator(name, **options).estimate(OracleGame(k, ev), budget, np.random.default_rng(seed))
+    return np.asarray(attr.values, dtype=np.float64)
 
 
 def _lexical_relevance(question: str, texts: tuple[str, ...]) -> np.ndarray:
@@ -190,6 +304,8 @@ def run_method(method: Method, bc: BenchCase, agent: Agent, oracle: CaseOutcomes
     """One method on one case in one utility mode. `drop`: the LLM filter's answer (mode-independent, asked once)."""
     case, k, family = bc.case, bc.case.k, method.family
     ev = CachedOracle(k, oracle.mode(utility))
+    if method.evals is not None:
+        return budgeted(method, k, ev, case.seed, cfg.tau)
     if family == "meclear":
         return meclear(k, ev, method.budget, case.seed, cfg.tau)
     if family in CONTROLS:
@@ -203,12 +319,9 @@ def run_method(method: Method, bc: BenchCase, agent: Agent, oracle: CaseOutcomes
         util, ok = ev(np.array([full_mask(k), kept]))
         r = tuple(int(i) for i in ranking)
         return Outcome(r, r, bool(ok[1]), ev.evaluations, float(util[0]), float(util[1]), "loo", _full(a, case.seed))
-    if family == "contextcite":
-        a = context_cite(k, ev, cfg.contextcite_masks, seed=case.seed).attribution
-        return _ranked(k, a, ev, cfg.tau, family, case.seed)
-    if family == "proxyspex":
-        a = proxyspex(k, ev, cfg.proxyspex_masks, seed=case.seed).attribution
-        return _ranked(k, a, ev, cfg.tau, family, case.seed)
+    if family in BASELINE_ESTIMATORS:  # the contract's surrogates, `masks` random ablations (distinct <= masks)
+        masks = cfg.contextcite_masks if family == "contextcite" else cfg.proxyspex_masks
+        return _ranked(k, _estimate(family, k, ev, masks, case.seed, cfg.tau), ev, cfg.tau, family, case.seed)
     if family == "filter":
         if drop is not None:  # the LLM filter: drop what the model says, check the result once
             r = tuple(sorted(int(i) for i in drop))
@@ -237,7 +350,7 @@ def run_case(bc: BenchCase, agent: Agent, methods: tuple[str, ...], utilities: t
     oracle = CaseOutcomes(agent, bc.case)
     if bool(oracle.outcome(np.array([full_mask(bc.case.k)]))[0]):
         return None
-    if Method("meclear") in parsed:
+    if Method("meclear") in parsed and bc.case.k <= EXACT_MAX_K:
         oracle.fetch(np.arange(1 << bc.case.k))  # all of them are needed anyway: one agent batch
     drop = None
     if Method("filter") in parsed and hasattr(agent, "drop_memories"):

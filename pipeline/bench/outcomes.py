@@ -5,6 +5,10 @@ coalition is evaluated once and both utility modes are read off it: `probability
 as 0/1 (`pipeline.agents.utility.outcome`, `in_mode`: the same reading as the audit's). Each method still sees only
 the coalitions it asks for (through a `CachedOracle` that counts them), so the sharing saves agent calls without
 letting one method use another's evaluations.
+
+The table is lazy and sparse: it holds only the coalitions some method asked for (the union of their requests), in a
+dict keyed by bitmask, never a dense 2^K array. At K=20 a dense pair of tables would be 9 MiB per case and invite
+enumeration; the budgeted benchmark touches a few thousand coalitions per case at most.
 """
 
 from __future__ import annotations
@@ -17,35 +21,42 @@ from pipeline.cases import Case
 
 
 class CaseOutcomes:
-    """Lazily filled 2^K tables of P(gold) (or token-F1 for open answers) and the binary outcome of one case."""
+    """Lazily filled, sparse tables of P(gold) (or token-F1 for open answers) and the binary outcome of one case."""
 
     def __init__(self, agent: Agent, case: Case):
         self.agent, self.case = agent, case
-        n = 1 << case.k
-        self.probability = np.full(n, np.nan)
-        self.correct = np.zeros(n, dtype=bool)
+        self._probability: dict[int, float] = {}
+        self._correct: dict[int, bool] = {}
+        self.batches = 0  # agent batches sent (one per fetch with something new)
 
     @property
     def evaluations(self) -> int:
         """Distinct coalitions the agent has answered for this case."""
-        return int(np.count_nonzero(~np.isnan(self.probability)))
+        return len(self._probability)
 
     def fetch(self, masks: np.ndarray) -> None:
         """Evaluate, in one agent batch, the coalitions among `masks` not evaluated yet."""
         masks = np.unique(np.asarray(masks, dtype=np.int64))
-        new = masks[np.isnan(self.probability[masks])]
-        if not new.size:
+        new = [m for m in masks.tolist() if m not in self._probability]
+        if not new:
             return
         q = self.case.query
-        responses = self.agent.answer_batch([self.case.request(int(m)) for m in new])
-        for m, r in zip(new.tolist(), responses, strict=True):
-            self.probability[m], self.correct[m] = outcome(r, q.options, q.answer)
+        responses = self.agent.answer_batch([self.case.request(m) for m in new])
+        self.batches += 1
+        for m, r in zip(new, responses, strict=True):
+            self._probability[m], self._correct[m] = outcome(r, q.options, q.answer)
+
+    def _read(self, masks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        flat = masks.ravel().tolist()
+        p = np.array([self._probability[m] for m in flat], dtype=np.float64).reshape(masks.shape)
+        ok = np.array([self._correct[m] for m in flat], dtype=bool).reshape(masks.shape)
+        return p, ok
 
     def outcome(self, masks: np.ndarray) -> np.ndarray:
         """The binary outcomes of `masks` (evaluating what is missing)."""
         masks = np.asarray(masks, dtype=np.int64)
         self.fetch(masks)
-        return self.correct[masks]
+        return self._read(masks)[1]
 
     def mode(self, utility: str):
         """A batched evaluator `evaluate(masks) -> (utilities, correct)` in one utility mode."""
@@ -55,7 +66,7 @@ class CaseOutcomes:
         def evaluate(masks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             masks = np.asarray(masks, dtype=np.int64)
             self.fetch(masks)
-            ok = self.correct[masks]
-            return in_mode(self.probability[masks], ok, utility), ok
+            p, ok = self._read(masks)
+            return in_mode(p, ok, utility), ok
 
         return evaluate

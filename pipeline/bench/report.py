@@ -15,6 +15,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.bench.bootstrap import bootstrap_groups
+from pipeline.bench.curves import budget_curves
+from pipeline.bench.curves import figure as curves_figure
+from pipeline.bench.curves import markdown as curves_markdown
 from pipeline.bench.faults import MECHANISMS
 from pipeline.bench.methods import CONTROLS, Method
 from pipeline.bench.metrics import METRICS, CaseResult
@@ -83,7 +86,11 @@ def position_histogram(cases, k: int) -> dict:
         total = int(counts.sum())
         return {"counts": counts.tolist(), "share": (counts / total).round(4).tolist() if total else [0.0] * k}
 
-    return {"overall": one(cases), "by_mechanism": {m: one([c for c in cases if c.mechanism == m]) for m in MECHANISMS}}
+    out = {"overall": one(cases), "by_mechanism": {m: one([c for c in cases if c.mechanism == m]) for m in MECHANISMS}}
+    variants = sorted({c.variant for c in cases} - set(MECHANISMS))
+    if variants:  # extra redundancies (redundant_r<r>): their own histograms, besides the mechanism's
+        out["by_variant"] = {v: one([c for c in cases if c.variant == v]) for v in variants}
+    return out
 
 
 def summarize(result, rows: list[dict], run_id: str, source_sha256: str) -> dict:
@@ -120,13 +127,13 @@ def summarize(result, rows: list[dict], run_id: str, source_sha256: str) -> dict
                 entry["paired_vs_position"] = vs_pos[g]["vs_reference"]
             methods[method] = entry
         modes[utility] = {"methods": methods}
-    kept = {m: sum(1 for c in result.cases if c.mechanism == m) for m in MECHANISMS}
+    kept = {m: sum(1 for c in result.cases if c.variant == m) for m in result.counts}
     hist = position_histogram(result.cases, cfg.top_k)
     scored = {bc.case_id for bc, _ in result.outcomes}
     return {
         "benchmark": "FI-LoCoMo",
         "run_id": run_id,
-        "cases": {m: {**asdict(result.counts[m]), "kept": kept[m]} for m in MECHANISMS},
+        "cases": {m: {**asdict(c), "kept": kept[m]} for m, c in result.counts.items()},
         "queries": result.queries,
         "n_cases": len(result.cases),
         "fault_records": sum(len(c.faults) for c in result.cases),
@@ -151,6 +158,8 @@ def summarize(result, rows: list[dict], run_id: str, source_sha256: str) -> dict
         "retrieval": result.retrieval,
         "source": {"path": cfg.locomo, "sha256": source_sha256},
         "timings": dict(result.timings),
+        **({"curves": budget_curves(rows, cfg.methods, cfg.utility, cfg.replicates, cfg.seed),
+            "budgets": list(cfg.eval_budgets)} if cfg.eval_budgets and rows else {}),
     }
 
 
@@ -237,6 +246,8 @@ def markdown(summary: dict) -> str:
             for name in sens:
                 lines.append(f"| {name} | " + " | ".join(_fmt(methods[name]["overall"][k], k) for k in keys) + " |")
         lines.append("")
+    if "curves" in summary:
+        lines += curves_markdown(summary["curves"])
     t = summary["timings"]
     lines += ["## Timings", "", ", ".join(f"{k} {v:.1f}" for k, v in t.items()), "", "![figure](figure.png)", ""]
     return "\n".join(lines)
@@ -333,6 +344,10 @@ def write_outputs(out: Path, rows: list[dict], summary: dict) -> None:
         _write_text(staging / "summary.json", json.dumps(summary, indent=2, sort_keys=False, default=str))
         if summary["n_cases"]:
             figure(summary, staging / "figure.png")
+        for mode in summary.get("curves", {}):
+            curves_figure(summary["curves"], mode, staging / f"curves_{mode}.png",
+                          f"FI-LoCoMo budget curves, K={summary['config']['top_k']}, utility {mode}; "
+                          f"{summary['n_scored_cases']} cases, 95% cluster-bootstrap intervals")
         _write_text(staging / "summary.md", markdown(summary))
         for f in sorted(staging.iterdir()):  # summary.md last: its presence means the set is complete
             if f.name != "summary.md":

@@ -28,7 +28,6 @@ from pipeline.bench.builder import (
     cap_cases,
 )
 from pipeline.bench.config import EvalConfig
-from pipeline.bench.faults import MECHANISMS
 from pipeline.bench.methods import run_case
 from pipeline.errors import ConfigError
 from pipeline.pools import LocalPool, WorkerPool
@@ -196,13 +195,14 @@ def run_benchmark(config: EvalConfig, conversations: list[str], progress: bool =
         t = time.perf_counter()
         chunks = [cases[i : i + CHUNK] for i in range(0, len(cases), CHUNK)]
         outcomes: list[tuple[BenchCase, list]] = []
-        excluded = dict.fromkeys(MECHANISMS, 0)
+        labels = [label for label, _, _ in config.build_config.variants]
+        excluded = dict.fromkeys(labels, 0)
         calls: dict[str, int] = {}
         bar = progress_bar(len(cases), "running methods", "case", enabled=progress)
         for part, part_calls in pool.map("run", chunks):
             for bc, outs in part:
                 if outs is None:
-                    excluded[bc.mechanism] += 1
+                    excluded[bc.variant] += 1
                 else:
                     outcomes.append((bc, outs))
             for k, v in part_calls.items():
@@ -211,7 +211,7 @@ def run_benchmark(config: EvalConfig, conversations: list[str], progress: bool =
         bar.close()
         timings["methods_s"] = time.perf_counter() - t
         retrieval = _agreed(pool, "retrieval_mode")
-    counts = {m: MechanismCount() for m in MECHANISMS}
+    counts = {m: MechanismCount() for m in labels}
     for r in built.values():
         for m, c in r.counts.items():
             for f in ("tried", "verified", "candidates", "not_retrieved", "check_failed", "position_skipped"):
