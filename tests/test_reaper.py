@@ -65,7 +65,7 @@ def test_nothing_to_guard_starts_no_watcher():
 REUSED = r"""
 import subprocess, sys, time
 from pipeline import reaper
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], stdout=subprocess.DEVNULL)
 watcher = reaper.guard([child.pid], started={child.pid: reaper.start_time(child.pid) - 1})
 print(child.pid, watcher.pid, flush=True)
 time.sleep(600)
