@@ -71,6 +71,8 @@ def pool_size(agent: str, actors: int, cpus_per_actor: float, gpus_per_actor: fl
 # __init__ rebuilds the agent) up to MAX_RESTARTS times and retries its unfinished tasks up to MAX_TASK_RETRIES times.
 # Tasks are idempotent (a coalition's utility depends on its key only), so a retried task cannot change a result.
 # Data failures (an agent error on one case, a NaN utility) are not retried: they go to errors/ (pipeline.driver).
+# An engine that dies (CUDA OOM, vLLM EngineDeadError) makes its actor exit (`pipeline.evaluate.AgentWorker`), which
+# Ray handles as the system failure it is.
 MAX_RESTARTS = 3
 MAX_TASK_RETRIES = 3
 
@@ -190,7 +192,7 @@ def start_agent_pool(spec: AgentSpec, actors: int = 0, cpus_per_actor: float = 1
     if actors * cpus_per_actor > free + 1e-9:
         log.warning("waiting for %g free CPUs for %d agent actors (%g free now; timeout %.0f s)",
                     actors * cpus_per_actor, actors, free, startup_timeout_s)
-    pool = pool_cls(AgentWorker, (spec,), actors, cpus_per_actor=cpus_per_actor, gpus_per_actor=gpus_per_actor,
+    pool = pool_cls(AgentWorker, (spec, None, True), actors, cpus_per_actor=cpus_per_actor, gpus_per_actor=gpus_per_actor,
                     max_inflight=max_inflight, concurrent=spec.name in CONCURRENT_AGENTS)
     try:  # also waits for every agent to be built
         fingerprint = agent_fingerprint(pool.call_all("fingerprint", timeout_s=startup_timeout_s))
