@@ -85,3 +85,17 @@ def test_a_gpu_pool_on_a_cluster_without_gpus_asks_the_autoscaler_then_fails_in_
         start_agent_pool(AgentSpec("reader", {}), actors=1, gpus_per_actor=1.0, gpu_wait_s=2)
     assert "\n" not in str(info.value)
     assert any("asked the autoscaler" in r.getMessage() for r in caplog.records)
+
+
+def test_cuda_engines_get_a_float32_head_unless_quantised_or_float32(tmp_path):
+    import json
+
+    from pipeline.agents.vllm_agent import head_overrides
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert head_overrides(str(tmp_path), on_cpu=False, dtype="bfloat16") == {"head_dtype": "float32"}
+    assert head_overrides(str(tmp_path), on_cpu=False, dtype="auto") == {"head_dtype": "float32"}
+    assert head_overrides(str(tmp_path), on_cpu=True, dtype="bfloat16") is None  # CPU fingerprints unchanged
+    assert head_overrides(str(tmp_path), on_cpu=False, dtype="float32") is None
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "awq"}}))
+    assert head_overrides(str(tmp_path), on_cpu=False, dtype="bfloat16") is None
