@@ -27,9 +27,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=d.model, help="smollm2-135m-instruct, tiny, or a model folder")
     p.add_argument("--cases", type=int, default=d.cases, help="synthetic K=5 cases (32 coalitions each)")
     p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--no-vllm", action="store_true", help="skip the vLLM agent even where vLLM is installed")
     p.add_argument("--out", default="gpu-check.json", help="JSON report")
     args = p.parse_args(argv)
-    settings = CheckSettings(model=args.model, cases=args.cases, batch_size=args.batch_size)
+    settings = CheckSettings(model=args.model, cases=args.cases, batch_size=args.batch_size, vllm=not args.no_vllm)
     try:
         with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:
             report = run_check(settings, Path(work))

@@ -113,3 +113,24 @@ def test_the_smollm2_extra_alone_runs_the_transformers_agent_on_smollm2(tmp_path
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["status"] == "complete" and manifest["agent"].startswith("transformers-")
     assert manifest["counts"]["cases"] == 1
+
+
+def _extras_in(text: str) -> set[str]:
+    """The extras of every `pip install ... meclear[...]` / `.[...]` in a recipe."""
+    import re
+
+    return {e.strip() for m in re.finditer(r"pip install[^\n]*?\[([a-z0-9,\- ]+)\]", text) for e in m.group(1).split(",")}
+
+
+def test_the_gpu_images_install_what_the_cluster_configs_enable():
+    """cluster/kuberay/rayjob-audit.yaml runs the vllm agent with dense: "on": its image recipe (cluster/Dockerfile.gpu)
+    and the cluster launcher's setup must install both extras (before issue 20 they installed only [gpu])."""
+    import yaml
+
+    docs = list(yaml.safe_load_all((ROOT / "cluster" / "kuberay" / "rayjob-audit.yaml").read_text()))
+    audit = yaml.safe_load(docs[0]["data"]["audit.yaml"])["audit"]
+    needed = {"gpu"} if audit["agent"] == "vllm" else set()
+    needed |= {"dense"} if audit.get("dense") == "on" else set()
+    assert needed == {"gpu", "dense"}
+    assert needed <= _extras_in((ROOT / "cluster" / "Dockerfile.gpu").read_text())
+    assert needed <= _extras_in((ROOT / "cluster" / "gpu-vllm.yaml").read_text())

@@ -11,9 +11,10 @@ measures, on the model given (`smollm2-135m-instruct`, `tiny` for the random tes
 - the floor ratio: that time over the compute floor (prompt tokens x FLOPs per token / the GEMM rate measured here,
   with torch, in the same run); the transformers agent has no prefix cache, so every prompt token is computed.
 
+Where vLLM is installed it also compares the vLLM agent (bfloat16, float32 head) with the float32 reference and measures
+its coalitions/s; the pipeline/bare-loop ratio (jobs/bench_agents.py, which needs Ray) is run by jobs/gpu_bench.sh.
 Everything up to the first CUDA call runs on any machine, and without a GPU the check stops there with one line
-(`NoGpuError`, exit 2): the CPU test suite runs it that far. vLLM's agent and the pipeline/bare-loop ratio
-(jobs/bench_agents.py, which needs Ray) are measured by jobs/gpu_bench.sh where those are installed.
+(`NoGpuError`, exit 2): the CPU test suite runs it that far.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class CheckSettings:
     batch_size: int = 32
     precision_cases: int = 4
     device: str = "cuda"
+    vllm: bool = True  # also the vLLM agent, where vLLM is installed
 
 
 def synthetic_requests(cases: int, seed: int = 0) -> list[AgentRequest]:
@@ -182,13 +184,33 @@ def run_check(settings: CheckSettings, work: Path) -> dict[str, Any]:
     report["device"] = cuda_device()
     probe = synthetic_requests(settings.precision_cases, seed=1)
     candidates = {"transformers bfloat16": lambda scoring: _agent(model, "bfloat16", settings.device, scoring)}
+    if settings.vllm and _vllm_installed():
+        candidates["vllm bfloat16, float32 head"] = lambda scoring: _vllm_agent(model, scoring)
     report["precision"] = precision(model, probe, settings.device, candidates)
     agent = _agent(model, "bfloat16", settings.device, "auto")
     report["transformers_bf16"] = throughput(agent, requests, settings.batch_size) | {"scoring": agent.scoring}
     agent.close()
     t = report["transformers_bf16"]
     report["floor"] = floor_ratio(model, t["seconds"], t["prompt_tokens"], "bfloat16", settings.device)
+    if settings.vllm and _vllm_installed():
+        agent = _vllm_agent(model, "auto")
+        report["vllm_bf16"] = throughput(agent, requests, 256) | {"scoring": agent.scoring}
+        agent.close()
     return report
+
+
+def _vllm_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def _vllm_agent(model: str, scoring: str):
+    """The production vLLM agent (bfloat16; on CUDA its head runs in float32, `vllm_agent.head_overrides`), sharing
+    the GPU with nothing else by then; max_model_len from the model (`models.default_max_len`)."""
+    from pipeline.agents.vllm_agent import VLLMAgent, VLLMConfig
+
+    return VLLMAgent(VLLMConfig(model=model, dtype="bfloat16", scoring=scoring, gpu_memory_utilization=0.5))
 
 
 def table(report: dict[str, Any]) -> str:
@@ -201,6 +223,9 @@ def table(report: dict[str, Any]) -> str:
     t, f = report["transformers_bf16"], report["floor"]
     lines.append(f"{'coalitions/s, transformers bf16 (' + t['scoring'] + ')':<44} {t['coalitions_per_s']:>12.1f}")
     lines.append(f"{'time / compute floor':<44} {f['ratio_to_floor']:>12.2f}")
+    if "vllm_bf16" in report:
+        v = report["vllm_bf16"]
+        lines.append(f"{'coalitions/s, vLLM bf16 (' + v['scoring'] + ')':<44} {v['coalitions_per_s']:>12.1f}")
     return "\n".join(lines)
 
 
