@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 import pytest
 
@@ -36,22 +37,29 @@ def _gone(pid: int, timeout_s: float = 15.0) -> bool:
     return False
 
 
-def test_a_killed_owner_takes_its_engine_processes_along():
+@contextmanager
+def _owner(script: str):
+    """Run `script` as the owner process; yields (owner, child pid, watcher pid); kills what is left afterwards."""
     env = os.environ | {"PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
-    owner = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True, env=env)
+    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
     child, watcher = map(int, owner.stdout.readline().split())
     try:
-        assert not _gone(child, timeout_s=1.5)  # the watcher leaves it alone while the owner lives
-        os.kill(owner.pid, signal.SIGKILL)
-        owner.wait()
-        assert _gone(child), "the guarded child outlived its owner"
-        assert _gone(watcher), "the watcher did not exit after its owner"
+        yield owner, child, watcher
     finally:
         for pid in (child, watcher):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_a_killed_owner_takes_its_engine_processes_along():
+    with _owner(OWNER) as (owner, child, watcher):
+        assert not _gone(child, timeout_s=1.5)  # the watcher leaves it alone while the owner lives
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.wait()
+        assert _gone(child), "the guarded child outlived its owner"
+        assert _gone(watcher), "the watcher did not exit after its owner"
 
 
 def test_nothing_to_guard_starts_no_watcher():
@@ -73,20 +81,11 @@ time.sleep(600)
 
 
 def test_a_reused_process_id_is_not_killed():
-    env = os.environ | {"PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
-    owner = subprocess.Popen([sys.executable, "-c", REUSED], stdout=subprocess.PIPE, text=True, env=env)
-    child, watcher = map(int, owner.stdout.readline().split())
-    try:
+    with _owner(REUSED) as (owner, child, watcher):
         os.kill(owner.pid, signal.SIGKILL)
         owner.wait()
         assert _gone(watcher), "the watcher did not exit after its owner"
         assert not _gone(child, timeout_s=1.0), "the watcher killed a process whose start time did not match"
-    finally:
-        for pid in (child, watcher):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 def test_start_time_names_one_process():
