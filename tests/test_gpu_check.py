@@ -72,3 +72,23 @@ def test_gpu_check_measures_and_the_precision_holds(tmp_path, model):
     assert {r["scoring"] for r in report["precision"]} == {"letter", "cloze"}
     assert all(r["ok"] for r in report["precision"])
     assert report["transformers_bf16"]["coalitions_per_s"] > 0 and report["floor"]["ratio_to_floor"] > 1
+
+
+@pytest.mark.llm
+def test_the_measurements_run_on_cpu_with_the_tiny_model(tmp_path):
+    """The GPU check's measuring code, run on CPU (device='cpu') so that its first GPU night does not find a bug in
+    it: precision rows for both scorings, a throughput and a floor ratio. CPU figures, not GPU figures."""
+    pytest.importorskip("transformers")
+    from pipeline.perf import gpu_check as g
+
+    model = g.resolve_check_model(g.TINY, tmp_path)
+    rows = g.precision(model, g.synthetic_requests(1)[:8], "cpu",
+                       {"transformers float32 again": lambda scoring: g._agent(model, "float32", "cpu", scoring)})
+    assert [r["scoring"] for r in rows] == ["letter", "cloze"]
+    assert all(r["ok"] and r["max_abs_prob_diff"] < 1e-5 for r in rows)  # the reference against itself
+    agent = g._agent(model, "float32", "cpu", "letter")
+    t = g.throughput(agent, g.synthetic_requests(1), 16, device="cpu")
+    agent.close()
+    assert t["coalitions"] == 32 and t["coalitions_per_s"] > 0 and t["prompt_tokens"] > 32
+    f = g.floor_ratio(model, t["seconds"], t["prompt_tokens"], "float32", "cpu")
+    assert f["floor_s"] > 0 and f["ratio_to_floor"] > 0 and f["flops_per_token"] > 0

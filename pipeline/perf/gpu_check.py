@@ -125,16 +125,22 @@ def precision(model: str, requests: Sequence[AgentRequest], device: str, candida
     return rows
 
 
-def throughput(agent, requests: Sequence[AgentRequest], batch_size: int) -> dict[str, float]:
-    """Coalitions/s and prompt tokens of `agent` over `requests`, in batches of `batch_size` (after one warm batch)."""
-    import torch
+def _sync(device: str) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously); nothing to wait for on CPU."""
+    if device.startswith("cuda"):
+        import torch
 
+        torch.cuda.synchronize()
+
+
+def throughput(agent, requests: Sequence[AgentRequest], batch_size: int, device: str = "cuda") -> dict[str, float]:
+    """Coalitions/s and prompt tokens of `agent` over `requests`, in batches of `batch_size` (after one warm batch)."""
     agent.answer_batch(requests[:batch_size])
-    torch.cuda.synchronize()
+    _sync(device)
     t, tokens = time.perf_counter(), 0
     for i in range(0, len(requests), batch_size):
         tokens += sum(r.prompt_tokens or 0 for r in agent.answer_batch(requests[i:i + batch_size]))
-    torch.cuda.synchronize()
+    _sync(device)
     elapsed = time.perf_counter() - t
     return {"coalitions": len(requests), "seconds": elapsed, "coalitions_per_s": len(requests) / elapsed,
             "prompt_tokens": tokens}
@@ -163,11 +169,11 @@ def floor_ratio(model_dir: str, seconds: float, tokens: int, dtype: str, device:
         b = torch.randn(h, inter, dtype=getattr(torch, dtype), device=device)
         for _ in range(3):
             a @ b
-        torch.cuda.synchronize()
+        _sync(device)
         t = time.perf_counter()
         for _ in range(50):
             a @ b
-        torch.cuda.synchronize()
+        _sync(device)
         rate = 50 * 2.0 * 256 * h * inter / (time.perf_counter() - t)
         floor = tokens * per_token / rate
         source = "pipeline.perf.gpu_check (fallback)"
@@ -188,13 +194,14 @@ def run_check(settings: CheckSettings, work: Path) -> dict[str, Any]:
         candidates["vllm bfloat16, float32 head"] = lambda scoring: _vllm_agent(model, scoring)
     report["precision"] = precision(model, probe, settings.device, candidates)
     agent = _agent(model, "bfloat16", settings.device, "auto")
-    report["transformers_bf16"] = throughput(agent, requests, settings.batch_size) | {"scoring": agent.scoring}
+    report["transformers_bf16"] = throughput(agent, requests, settings.batch_size, settings.device) | {
+        "scoring": agent.scoring}
     agent.close()
     t = report["transformers_bf16"]
     report["floor"] = floor_ratio(model, t["seconds"], t["prompt_tokens"], "bfloat16", settings.device)
     if settings.vllm and _vllm_installed():
         agent = _vllm_agent(model, "auto")
-        report["vllm_bf16"] = throughput(agent, requests, 256) | {"scoring": agent.scoring}
+        report["vllm_bf16"] = throughput(agent, requests, 256, settings.device) | {"scoring": agent.scoring}
         agent.close()
     return report
 
