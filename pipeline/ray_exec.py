@@ -18,7 +18,7 @@ from typing import Any, Iterator, Mapping, Sequence
 from pipeline.agents import AgentSpec
 from pipeline.errors import ConfigError, ResourceError
 from pipeline.evaluate import AgentWorker, agent_fingerprint
-from pipeline.gpu_settings import GpuPlan, plan_gpus
+from pipeline.gpu_settings import GpuPlan, cuda_vllm_installed, plan_gpus
 from pipeline.pools import map_calls
 
 log = logging.getLogger(__name__)
@@ -222,7 +222,8 @@ def plan_pool_gpus(spec: AgentSpec, actors: int, cpus_per_actor: float, gpus_per
     import ray
 
     have = ray.cluster_resources().get("GPU", 0.0)
-    plan = plan_gpus(spec.name, spec.options, gpus_per_actor, have)
+    plan = plan_gpus(spec.name, spec.options, gpus_per_actor, have,
+                     expect_gpus=spec.name == "vllm" and cuda_vllm_installed())
     if plan.note:
         log.warning(plan.note)
     if plan.gpus_per_actor > 0 and have < plan.gpus_per_actor * max(actors, 1) - 1e-9:

@@ -26,6 +26,13 @@ def test_vllm_on_a_cpu_cluster_stays_on_cpus():
     assert plan_gpus("vllm", {"model": "m"}, 0.0, cluster_gpus=0).gpus_per_actor == 0.0
 
 
+def test_the_cuda_build_on_a_cluster_without_gpus_yet_expects_them():
+    """cluster/gpu-vllm.yaml starts with no GPU node (min_workers 0): with the CUDA build of vLLM the default is still
+    one GPU per actor, which the driver then waits for, rather than a CUDA engine on a GPU node with num_gpus=0."""
+    plan = plan_gpus("vllm", {"model": "m"}, 0.0, cluster_gpus=0, expect_gpus=True)
+    assert plan.gpus_per_actor == 1.0 and "still to come" in plan.note
+
+
 def test_other_agents_are_left_alone():
     plan = plan_gpus("transformers", {"model": "m"}, 0.0, cluster_gpus=8)
     assert plan.gpus_per_actor == 0.0 and plan.note is None
