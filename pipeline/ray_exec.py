@@ -250,8 +250,9 @@ def start_agent_pool(spec: AgentSpec, actors: int = 0, cpus_per_actor: float = 1
     if actors * cpus_per_actor > free + 1e-9:
         log.warning("waiting for %g free CPUs for %d agent actors (%g free now; timeout %.0f s)",
                     actors * cpus_per_actor, actors, free, startup_timeout_s)
-    pool = pool_cls(AgentWorker, (spec, None, True), actors, cpus_per_actor=cpus_per_actor, gpus_per_actor=gpus_per_actor,
-                    max_inflight=max_inflight, concurrent=spec.name in CONCURRENT_AGENTS)
+    pool = pool_cls(AgentWorker, (spec, None, True), actors, cpus_per_actor=cpus_per_actor,  # True: exit on engine death
+                    gpus_per_actor=gpus_per_actor, max_inflight=max_inflight,
+                    concurrent=spec.name in CONCURRENT_AGENTS)
     try:  # also waits for every agent to be built
         fingerprint = agent_fingerprint(pool.call_all("fingerprint", timeout_s=startup_timeout_s))
     except TimeoutError:
