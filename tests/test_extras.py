@@ -107,12 +107,12 @@ def test_the_smollm2_extra_alone_runs_the_transformers_agent_on_smollm2(tmp_path
         "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "RAY_ADDRESS": ""}
     out = tmp_path / "o"
     proc = subprocess.run([str(python), "-m", "pipeline.cli", "audit", "--agent", "transformers", "--model",
-                           "smollm2-135m-instruct", "--executor", "local", "--dense", "off", "--max-queries", "1",
+                           "smollm2-135m-instruct", "--executor", "local", "--dense", "off", "--max-queries", "1", "--top-k", "2",
                            "--no-progress", "--out", str(out)], capture_output=True, text=True, env=env, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["status"] == "complete" and manifest["agent"].startswith("transformers-")
-    assert manifest["counts"]["cases"] == 1
+    assert manifest["counts"]["cases"] == 1  # K=2: 4 coalitions, the least that proves the extra runs the agent
 
 
 def _extras_in(text: str) -> set[str]:
