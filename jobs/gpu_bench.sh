@@ -1,28 +1,40 @@
 #!/usr/bin/env bash
-# Agent throughput on one GPU: the Ray audit pipeline vs a bare vLLM LLM.generate loop (jobs/bench_agents.py).
+# The GPU night's checks on one CUDA node, in two steps (README "GPU path").
 #
-#   jobs/gpu_bench.sh /models/Qwen2.5-7B-Instruct [extra bench_agents.py flags, e.g. --locomo locomo10.json --top-k 8]
+#   jobs/gpu_bench.sh [MODEL] [bench_agents.py flags]     MODEL: smollm2-135m-instruct (default), tiny, or a folder
 #
-# Two engine starts (pipeline actor, then bare engine; the first is shut down before the second) plus 3 cold
-# repetitions of each side: a few minutes for a 7B model on one H200. Installs only the package's GPU extra, and only
-# when vLLM is missing. Writes the JSON report to $OUT/bench-agents-gpu.json when $OUT is set, else to the current
-# folder.
+# 1. jobs/gpu_check.py: needs only torch and transformers (a bare node): option probabilities of the production
+#    settings against the transformers float32 agent (tolerance in pipeline/perf/gpu_check.py), coalitions/s of the
+#    transformers agent on a synthetic pool, and its ratio to the compute floor; where vLLM is installed, the vLLM agent
+#    too. Without a GPU it stops at the first CUDA call with one line (exit 2).
+# 2. Where vLLM and Ray are installed: jobs/bench_agents.py, the Ray pipeline against a bare LLM.generate loop.
+#
+# Installs nothing: vLLM comes from the pinned extra (pip install -e '.[gpu]': vLLM 0.33.x, CUDA 13 wheels, NVIDIA
+# driver >= 580), never unpinned. max_model_len is the model's own (at most 4096), not fixed here. Reports go to $OUT
+# when set, else to the current folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-
-model="${1:?usage: jobs/gpu_bench.sh MODEL_FOLDER [bench_agents.py flags]}"
-shift
-[ -d "$model" ] || { echo "gpu_bench: $model is not a folder (a local model is needed: no hub access)" >&2; exit 2; }
+model="${1:-smollm2-135m-instruct}"
+shift || true
 python=${PYTHON:-python3}
-
-if ! "$python" -c "import vllm, pipeline" 2>/dev/null; then
-  echo "gpu_bench: installing meclear with its GPU extra (vLLM)"
-  "$python" -m pip install -q -e '.[gpu]'
-fi
-
+out="${OUT:-.}"
 export RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1
-out="${OUT:-.}/bench-agents-gpu.json"
-# bfloat16 and 85% of GPU memory for the KV cache; block_size stays vLLM's GPU default (VLLMConfig leaves it unset).
-timeout 570 "$python" jobs/bench_agents.py --model "$model" --gpus-per-actor 1 \
-  --agent-option dtype=bfloat16 --agent-option gpu_memory_utilization=0.85 --agent-option max_model_len=4096 \
-  --repetitions 3 --out "$out" "$@"
+
+rc=0
+timeout 1500 "$python" jobs/gpu_check.py --model "$model" --out "$out/gpu-check.json" || rc=$?
+[ "$rc" -eq 2 ] && exit 2  # no GPU (or a missing package): said in one line above
+
+if ! "$python" -c "import vllm, ray" 2>/dev/null; then
+  echo "gpu_bench: vLLM or Ray not installed: the pipeline/bare-loop ratio is skipped (pip install -e '.[gpu]')"
+  exit "$rc"
+fi
+"$python" - <<'PY' || exit 2
+import sys
+from importlib.metadata import version
+v = version("vllm")
+if not v.startswith("0.33."):
+    sys.exit(f"gpu_bench: vLLM {v} is outside the tested range 0.33.x (pyproject's gpu extra); not benchmarked")
+PY
+timeout 900 "$python" jobs/bench_agents.py --model "$model" --gpus-per-actor 1 \
+  --agent-option dtype=bfloat16 --repetitions 3 --out "$out/bench-agents-gpu.json" "$@" || rc=$?
+exit "$rc"

@@ -9,6 +9,7 @@ setting of an audit, `InputSpec` says where the memories and queries come from, 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from pipeline.agents import AgentSpec, checked_spec
 from pipeline.driver import AuditResult, run_audit
 from pipeline.errors import ConfigError, OutputError
 from pipeline.evaluate import AgentWorker, agent_fingerprint
+from pipeline.extras import require_audit
 from pipeline.io.loaders import input_files, load_pools, load_queries
 from pipeline.io.locomo import load_locomo
 from pipeline.store.lock import OutLock
@@ -137,6 +139,10 @@ def audit(inputs: InputSpec, config: AuditConfig, out: str | Path, progress: boo
     pools, queries, files = inputs.load()
     log.info("loaded %d pools, %d queries", len(pools), len(queries))
     spec = checked_spec(config.agent, config.agent_options)  # one line, before Ray or an engine starts
+    # missing extras are one line here, before a local Ray starts (issue 17): on a cluster (RAY_ADDRESS) the agents'
+    # packages are the workers' image's, not the driver's
+    require_audit(config.agent, spec.options.get("model"), config.dense,
+                  agents_here=config.executor == "local" or not os.environ.get("RAY_ADDRESS"))
     out = Path(out)
     for r in reuse:
         if not (Path(r) / "utilities").is_dir():

@@ -31,7 +31,9 @@ def _add_agent_args(p: argparse.ArgumentParser) -> None:
                    help="extra agent setting, e.g. dtype=bfloat16 or max_model_len=4096 (repeatable)")
     p.add_argument("--executor", choices=EXECUTORS, default=d.executor, help="Ray actor pool or in process")
     p.add_argument("--actors", type=int, default=d.actors, help="agent actors (0: one per free CPU, or per GPU for LLMs)")
-    p.add_argument("--gpus-per-actor", type=float, default=d.gpus_per_actor, help="GPUs per agent actor (0: CPU only)")
+    p.add_argument("--gpus-per-actor", type=float, default=d.gpus_per_actor,
+                   help="GPUs per agent actor (0: tensor_parallel_size for the vllm agent on a cluster with GPUs, "
+                        "else CPU only)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of permutation sampling and case order")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress output (on a non-terminal, progress is a plain line every 30 s)")

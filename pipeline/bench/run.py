@@ -152,9 +152,13 @@ def _workers(config: EvalConfig, progress: bool) -> Iterator[WorkerPool]:
             finally:
                 pool.close()
         return
-    from pipeline.ray_exec import RayPool, cluster_session, pool_size
+    import dataclasses
+
+    from pipeline.ray_exec import RayPool, cluster_session, plan_pool_gpus, pool_size
 
     with cluster_session():
+        plan = plan_pool_gpus(config.agent_spec, config.actors, 1.0, config.gpus_per_actor)  # issue 20
+        config = dataclasses.replace(config, agent_options=plan.agent_options, gpus_per_actor=plan.gpus_per_actor)
         pool = RayPool(BenchWorker, (config, progress), pool_size(config.agent, config.actors, 1.0, config.gpus_per_actor),
                        gpus_per_actor=config.gpus_per_actor)
         try:
