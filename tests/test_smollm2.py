@@ -227,3 +227,10 @@ def test_vllm_and_transformers_choose_the_same_option_under_cloze(smollm2_cache,
     assert same >= 0.95 * len(requests), f"{same}/{len(requests)} agree"
     cached = sum(g.cached_tokens for g in got) / sum(g.prompt_tokens for g in got)
     assert cached > 0.3  # the option requests keep prefix-cache reads despite prompt_logprobs
+    # the context probe on the vLLM engine: its cloze answers follow the memory as the transformers agent's do
+    from pipeline.agents.probe import load_items, probe_requests
+
+    _, stated = probe_requests(load_items())
+    probe = got[len(requests) - len(stated):]
+    followed = sum(max(range(len(r.option_probs)), key=r.option_probs.__getitem__) == s for r, s in zip(probe, stated))
+    assert followed / len(stated) >= 0.85, f"vLLM cloze followed {followed}/{len(stated)} probe memories"
