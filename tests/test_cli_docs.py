@@ -1,5 +1,5 @@
-"""The audit CLI, its --help, docs/cli.md, docs/deploy.md and the job configs agree; terminal output is safe; progress off a TTY is
-plain lines."""
+"""The audit CLI, its --help, docs/cli.md, docs/deploy.md and the job configs agree; terminal output is safe;
+progress off a TTY is plain lines."""
 
 from __future__ import annotations
 

@@ -65,8 +65,9 @@ def test_module_map_matches_the_tree():
     listed = _module_map()
     tree = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "pipeline").rglob("*.py") if p.name != "__init__.py")
     assert len(listed) == len(set(listed)), f"listed twice: {sorted({m for m in listed if listed.count(m) > 1})}"
-    assert not sorted(set(tree) - set(listed)), f"modules missing from the module map in docs/architecture.md: {sorted(set(tree) - set(listed))}"
-    assert not sorted(set(listed) - set(tree)), f"the module map in docs/architecture.md lists modules that do not exist: {sorted(set(listed) - set(tree))}"
+    missing, extra = sorted(set(tree) - set(listed)), sorted(set(listed) - set(tree))
+    assert not missing, f"modules missing from the module map in docs/architecture.md: {missing}"
+    assert not extra, f"the module map in docs/architecture.md lists modules that do not exist: {extra}"
 
 
 def _imported_modules(path: Path) -> set[str]:
@@ -88,7 +89,8 @@ def test_module_map_runs_from_the_ground_floor_up():
     place = {m: i for i, m in enumerate(listed)}
     upward = [f"{m} imports {t}" for m in listed for t in sorted(_imported_modules(ROOT / m))
               if t in place and place[t] > place[m]]
-    assert not upward, f"imports that run up the module map in docs/architecture.md (reorder it, or fix the import): {upward}"
+    assert not upward, f"imports that run up the module map in docs/architecture.md (reorder it, or fix the import): " \
+                       f"{upward}"
 
 
 def _docs_pages() -> list[str]:
@@ -97,7 +99,7 @@ def _docs_pages() -> list[str]:
 
 def test_readme_is_a_short_front_door_linking_every_docs_page():
     lines = README.splitlines()
-    assert len(lines) <= 200, f"README.md has {len(lines)} lines; keep it a front door (at most 200) and move detail to docs/"
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines; keep it a front door (at most 200), detail in docs/"
     unlinked = [p for p in _docs_pages() if not re.search(r"\]\(" + re.escape(p) + r"(#[^)]*)?\)", README)]
     assert not unlinked, f"README.md does not link {unlinked}: add each to its Documentation list"
 
@@ -106,7 +108,7 @@ def test_readme_quick_start_block_holds_the_ci_test_command():
     # .ci/run reads the second line of the Quick start's ```bash block as the test command
     section = README.split("\n## Quick start\n", 1)[1].split("\n## ", 1)[0]
     block = section.split("```bash\n", 1)[1].split("\n```", 1)[0].splitlines()
-    assert len(block) == 2 and "pytest" in block[1], f"the Quick start block must be install+audit, then the tests: {block}"
+    assert len(block) == 2 and "pytest" in block[1], f"Quick start block: install+audit, then the tests: {block}"
 
 
 def _slug(heading: str) -> str:
