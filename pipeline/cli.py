@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("probe", help="does an LLM agent's answer follow its memories? (letter vs cloze scoring)",
                        description="Run the context-sensitivity probe under letter and cloze scoring, in process.")
-    p.add_argument("--agent", choices=("transformers", "vllm"), default="transformers")
+    p.add_argument("--agent", choices=("transformers", "vllm"), default="transformers", help="LLM agent to probe")
     p.add_argument("--model", required=True, help="model folder, .gguf file or smollm2-135m-instruct")
     p.add_argument("--agent-option", action="append", default=[], metavar="KEY=VALUE", help="extra agent setting")
     p.set_defaults(func=cmd_probe)

@@ -172,7 +172,7 @@ def test_smollm2_follows_the_memory_under_its_default_scoring(smollm2_hf) -> Non
 
     assert smollm2_hf.scoring == "cloze"  # scoring=auto picks cloze for this model
     result = follow_rate(smollm2_hf, load_items())
-    # Measured (README): 21/24 followed, 1 of 8 items answered the same whatever the memory. Letter scoring on the
+    # Measured (docs/agents.md): 21/24 followed, 1 of 8 items answered the same whatever the memory. Letter scoring on the
     # same items: 8/24 (chance), all 8 items blind. The bounds leave one more miss for rounding across machines.
     assert result["blind_items"] <= 1, result
     assert result["follow_rate"] >= 0.8, result

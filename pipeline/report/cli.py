@@ -15,18 +15,18 @@ from pipeline.text import safe
 def add_parsers(sub) -> None:
     r = sub.add_parser("report", help="one self-contained HTML report of an audit run (or of a `meclear eval` folder)",
                        description="Render RUN_DIR (an audit run or an eval output) to a single offline HTML file.")
-    r.add_argument("run_dir")
+    r.add_argument("run_dir", help="an audit run folder or a `meclear eval` output folder")
     r.add_argument("--previous", action="append", default=[], metavar="RUN_DIR",
                    help="earlier runs for the night-over-night trends (repeatable)")
     r.add_argument("--out", help="HTML file to write (default: RUN_DIR/report.html)")
     r.add_argument("--figures", choices=("harm", "all", "none"), default="harm",
                    help="per-query figures for queries with a harmful memory (default), every query, or none")
     r.add_argument("--jobs", type=int, default=0, help="processes drawing figures (0: one per CPU, at most 8)")
-    r.add_argument("--no-progress", action="store_true")
+    r.add_argument("--no-progress", action="store_true", help="no progress output")
     r.set_defaults(func=cmd_report)
 
     c = sub.add_parser("curate", help="rank memories by the harm they do across queries and runs (proposes, never edits)")
-    c.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    c.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="audit run folders to aggregate")
     c.add_argument("--out", required=True, help="Parquet file to write")
     c.add_argument("--top", type=int, default=15, help="rows of the printed table")
     c.set_defaults(func=cmd_curate)
