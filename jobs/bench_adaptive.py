@@ -7,7 +7,7 @@ agreement of the harmful sets, on tuning and held-out conversations (issue 16 it
 Two phases. `tables`: the exact audit (reader agent, BM25 retrieval, in process) of every query of each listed
 conversation, once, into <tables>/<conversation>/ (skipped when already there): all 2^K coalitions per case, with
 P(gold) and the binary outcome of each, i.e. both utility modes from one set of agent calls. `replay`: every estimator
-configuration replays every case through the audit's own code (`pipeline.reduce.CaseState` / `advance`: the
+configuration replays every case through the audit's own code (`pipeline.audit.reduce.CaseState` / `advance`: the
 estimator contract in ask/tell form, LOO, the clearance and its budget share), answering coalitions from the table, so
 "evaluations / case" counts what the audit would have spent, clearance checks included. The reference is exact
 enumeration's harmful set {i : phi_i < -tau} under the same utility mode. Prints a table per subset and mode and
@@ -25,12 +25,12 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from pipeline.cases import Case, case_seed
+from pipeline.audit.cases import Case, case_seed
+from pipeline.audit.reduce import CaseState, advance
 from pipeline.game import make_plan, shapley_exact
 from pipeline.game.adaptive import DEFAULT_Z
 from pipeline.io.records import Query
-from pipeline.reduce import CaseState, advance
-from pipeline.retrieval import FrozenContext
+from pipeline.retrieval.frozen import FrozenContext
 
 TAU = 0.05
 MODES = ("probability", "correct")
@@ -64,10 +64,10 @@ class Table:
 
 
 def exact_tables(locomo: str, conversation: str, folder: Path) -> None:
-    from pipeline.audit import AuditConfig, run_audit
-    from pipeline.evaluate import AgentWorker
+    from pipeline.audit.run import AuditConfig, run_audit
+    from pipeline.audit.worker import AgentWorker
+    from pipeline.exec.pools import LocalPool
     from pipeline.io.locomo import load_locomo
-    from pipeline.pools import LocalPool
 
     pools, queries = load_locomo(locomo)
     qs = [q for q in queries if q.pool_id == conversation]

@@ -16,10 +16,15 @@ import logging
 import sys
 from pathlib import Path
 
-from pipeline.errors import MeClearError
-from pipeline.perf.throughput import TINY_MODEL, AgentBenchConfig, format_report, run_benchmark
-from pipeline.text import safe
-from pipeline.validation import key_values
+from pipeline.core.errors import MeClearError
+from pipeline.core.text import safe
+from pipeline.core.validation import key_values
+from pipeline.perf.throughput import (
+    TINY_MODEL,
+    AgentBenchConfig,
+    format_report,
+    run_benchmark,
+)
 
 
 def main(argv: list[str] | None = None) -> int:

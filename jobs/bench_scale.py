@@ -1,4 +1,4 @@
-"""Scale benchmark: a synthetic pool of N queries (LoCoMo-like, pipeline.synth), audited cold then warm.
+"""Scale benchmark: a synthetic pool of N queries (LoCoMo-like, pipeline.testing.synth), audited cold then warm.
 
     PYTHONPATH=. python jobs/bench_scale.py --queries 10000 --out /tmp/bench_scale [--dense on] [--executor local]
 
@@ -27,7 +27,7 @@ def _size(folder: Path) -> int:
 
 
 def run_phase(args: argparse.Namespace, phase: str) -> dict:
-    from pipeline.audit import AuditConfig, InputSpec, audit
+    from pipeline.audit.run import AuditConfig, InputSpec, audit
 
     root = Path(args.out)
     mem, qry = root / "pool" / "memories.jsonl", root / "pool" / "queries.jsonl"
@@ -46,7 +46,7 @@ def run_phase(args: argparse.Namespace, phase: str) -> dict:
 
 
 def main() -> None:
-    from pipeline.retrieval import DEFAULT_TOP_K
+    from pipeline.retrieval.frozen import DEFAULT_TOP_K
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--queries", type=int, default=10_000)
@@ -60,7 +60,7 @@ def main() -> None:
     if args.phase:
         print(json.dumps(run_phase(args, args.phase)))
         return
-    from pipeline.synth import write_jsonl
+    from pipeline.testing.synth import write_jsonl
 
     write_jsonl(root / "pool", args.queries)
     env = {**os.environ, "MECLEAR_CACHE": str(root / "cache")}

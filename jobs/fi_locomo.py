@@ -25,16 +25,16 @@ def main(argv: list[str] | None = None) -> int:
     pre.add_argument("--no-progress", action="store_true")
     known, rest = pre.parse_known_args(argv)
     if known.config is None:
-        from pipeline.cli import main as cli_main
+        from pipeline.cli.main import main as cli_main
 
         return cli_main(["eval", *(argv if argv is not None else sys.argv[1:])])
 
     import yaml
 
     from pipeline.bench.run import EvalConfig, evaluate
-    from pipeline.validation import from_mapping
-    from pipeline.errors import ConfigError, MeClearError
-    from pipeline.text import safe
+    from pipeline.core.errors import ConfigError, MeClearError
+    from pipeline.core.text import safe
+    from pipeline.core.validation import from_mapping
 
     try:
         if rest:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's source, without installing it
 
-from pipeline.errors import MeClearError  # noqa: E402
+from pipeline.core.errors import MeClearError  # noqa: E402
 from pipeline.perf.gpu_check import CheckSettings, run_check, table, write_report  # noqa: E402
 
 

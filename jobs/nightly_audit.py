@@ -13,9 +13,9 @@ import logging
 import sys
 import time
 
-from pipeline.cli import print_summary, run_command
-from pipeline.errors import EXIT_CASE_ERRORS
-from pipeline.audit import audit, load_job_config
+from pipeline.audit.run import audit, load_job_config
+from pipeline.cli.main import print_summary, run_command
+from pipeline.core.errors import EXIT_CASE_ERRORS
 
 
 def main(argv: list[str] | None = None) -> int:

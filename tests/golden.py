@@ -48,7 +48,7 @@ def canonical_rows(frame: pl.DataFrame) -> list[dict]:
 
 
 def run_cli(args: list[str], out: Path) -> None:
-    cmd = [sys.executable, "-m", "pipeline.cli", *args, "--out", str(out)]
+    cmd = [sys.executable, "-m", "pipeline.cli.main", *args, "--out", str(out)]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stderr[-4000:]}")

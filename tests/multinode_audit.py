@@ -6,7 +6,7 @@ the test session's Ray. RAY_TMPDIR is set by the caller to a private folder, so 
 file stay out of /tmp/ray, where other clusters on the machine live.
 
 Actor 0 is placed on the head and actor 1 on the worker node, each by a soft node affinity: soft, so that when the
-worker node is gone Ray restarts actor 1 (`max_restarts`, pipeline.ray_exec) on the head, where one CPU is free, and
+worker node is gone Ray restarts actor 1 (`max_restarts`, pipeline.exec.ray_pool) on the head, where one CPU is free, and
 retries its unfinished tasks (`max_task_retries`). The worker node is removed (its raylet and workers killed) after
 actor 1 has returned a task and while it still has tasks in flight. The facts the test checks are written to REPORT.
 """
@@ -22,10 +22,10 @@ from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pipeline.agents import AgentSpec
-from pipeline.audit import AuditConfig, InputSpec
-from pipeline.driver import run_audit
-from pipeline.evaluate import AgentWorker, agent_fingerprint
-from pipeline.ray_exec import RayPool, actor_options
+from pipeline.audit.driver import run_audit
+from pipeline.audit.run import AuditConfig, InputSpec
+from pipeline.audit.worker import AgentWorker, agent_fingerprint
+from pipeline.exec.ray_pool import RayPool, actor_options
 
 # A lost node is declared dead after about 1 s of failed health checks (Ray's default waits about 30 s).
 SYSTEM = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 200, "health_check_failure_threshold": 5}

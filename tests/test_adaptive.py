@@ -9,16 +9,16 @@ import numpy as np
 import polars as pl
 import pytest
 
-from pipeline.audit import AuditConfig, InputSpec, run_audit
-from pipeline.cases import Case
-from pipeline.errors import ConfigError
-from pipeline.evaluate import AgentWorker
-from pipeline.pools import LocalPool
+from pipeline.audit.cases import Case
+from pipeline.audit.reduce import CaseState, advance
+from pipeline.audit.run import AuditConfig, InputSpec, run_audit
+from pipeline.audit.worker import AgentWorker
+from pipeline.core.errors import ConfigError
+from pipeline.exec.pools import LocalPool
 from pipeline.game import make_plan, shapley_exact, shapley_least_squares
 from pipeline.game.adaptive import DEFAULT_Z, estimate, separated, stop_reason
 from pipeline.io.records import Query
-from pipeline.reduce import CaseState, advance
-from pipeline.retrieval import FrozenContext
+from pipeline.retrieval.frozen import FrozenContext
 
 
 def table(k, v):

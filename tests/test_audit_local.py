@@ -10,9 +10,9 @@ import polars as pl
 import pytest
 
 from pipeline.agents.reader import ReaderAgent
-from pipeline.audit import AuditConfig, InputSpec, run_audit, sample_paths
-from pipeline.evaluate import AgentWorker
-from pipeline.pools import LocalPool
+from pipeline.audit.run import AuditConfig, InputSpec, run_audit, sample_paths
+from pipeline.audit.worker import AgentWorker
+from pipeline.exec.pools import LocalPool
 
 
 class CountingAgent(ReaderAgent):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.cli import main
+from pipeline.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
 MEM = [{"memory_id": "m1", "text": "Ana moved to Lisbon last spring."},

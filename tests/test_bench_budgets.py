@@ -13,13 +13,20 @@ from data_paths import LOCOMO
 from golden import run_cli
 
 from pipeline.agents.reader import ReaderAgent
+from pipeline.audit.cases import Case
 from pipeline.bench.builder import BenchCase, CachedAgent
 from pipeline.bench.config import EvalConfig
-from pipeline.bench.methods import EXACT_MAX_K, Method, MethodConfig, expand_methods, meclear_estimators, run_case
-from pipeline.cases import Case
-from pipeline.errors import ConfigError
+from pipeline.bench.methods import (
+    EXACT_MAX_K,
+    Method,
+    MethodConfig,
+    expand_methods,
+    meclear_estimators,
+    run_case,
+)
+from pipeline.core.errors import ConfigError
 from pipeline.io.records import Query
-from pipeline.retrieval import FrozenContext
+from pipeline.retrieval.frozen import FrozenContext
 
 QUERY = Query("q1", "conv-x", "Where did Ana move?", "Bergen", ("Bergen", "Gdansk"), "1")
 

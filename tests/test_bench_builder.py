@@ -8,13 +8,13 @@ import pytest
 
 from pipeline.agents.base import AgentRequest, AgentResponse
 from pipeline.agents.reader import ReaderAgent
+from pipeline.audit.cases import Case
 from pipeline.bench.baselines import CachedOracle
 from pipeline.bench.builder import BenchCase, CachedAgent, position_ok, verify
 from pipeline.bench.methods import MethodConfig, control, run_case
 from pipeline.bench.outcomes import CaseOutcomes
-from pipeline.cases import Case
 from pipeline.io.records import Query
-from pipeline.retrieval import FrozenContext
+from pipeline.retrieval.frozen import FrozenContext
 
 QUERY = Query("q1", "conv-x", "Where did Ana move?", "Bergen", ("Bergen", "Gdansk"), "1")
 TEXTS = ("Ana: I moved to Bergen.", "Ana: FAULT Gdansk.", "Bob: hello.", "Ana: FAULT2 Gdansk.", "Bob: bye.")

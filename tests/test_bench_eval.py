@@ -11,21 +11,21 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import pytest
+from data_paths import LOCOMO
 
 from pipeline.agents.reader import ReaderAgent
-from pipeline.provenance import sha256_file
 from pipeline.bench.builder import BuildConfig, build_pool, check_masks, passes, verify
 from pipeline.bench.faults import MECHANISMS
 from pipeline.bench.methods import expand_methods
 from pipeline.bench.metrics import METRICS
 from pipeline.bench.reretrieval import PoolIndex
-from pipeline.cli import main
-from pipeline.errors import ConfigError
+from pipeline.cli.main import main
+from pipeline.core.errors import ConfigError
+from pipeline.core.provenance import sha256_file
 from pipeline.io.locomo import load_locomo
 from pipeline.io.records import Memory, Pool
-from pipeline.retrieval import Retriever
+from pipeline.retrieval.frozen import Retriever
 
-from data_paths import LOCOMO
 needs_locomo = pytest.mark.skipif(not LOCOMO.is_file(), reason=f"{LOCOMO} not available")
 METHODS = ("meclear_l4", "meclear_l8", "meclear_l16", "meclear_exact", "loo", "loo_threshold", "contextcite",
            "proxyspex", "filter", "position", "random", "oracle")
@@ -146,7 +146,7 @@ def test_mechanism_checks_on_outcomes():
 
 def test_pool_index_equals_retriever_on_extended_pool():
     """Re-retrieval with injected records equals a full re-index of the pool copy (BM25; dense is the same formula)."""
-    from pipeline.audit import InputSpec
+    from pipeline.audit.run import InputSpec
 
     pools, queries, _ = InputSpec().load()
     index = PoolIndex(pools, dense="off")

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.audit import AuditConfig, AuditResult, InputSpec
-from pipeline.cli import build_parser, print_summary, safe
-from pipeline.progress import progress_bar
-from pipeline.reduce import ClearanceRow
+from pipeline.audit.reduce import ClearanceRow
+from pipeline.audit.run import AuditConfig, AuditResult, InputSpec
+from pipeline.cli.main import build_parser, print_summary, safe
+from pipeline.core.progress import progress_bar
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,7 +43,7 @@ def test_every_audit_flag_has_help_and_its_default_in_help_and_docs():
         assert f"(default: {action.default})" in " ".join(text.split()), f"--help does not show the default of {flag}"
         line = next((x for x in cli_md.splitlines() if x.startswith(f"- `{flag}")), "")
         assert f"(default: `{shown}`)" in line, f"docs/cli.md lacks '{flag}' with its default {shown}: " \
-                                               "run `python -m pipeline.clidoc > docs/cli.md`"
+                                               "run `python -m pipeline.cli.clidoc > docs/cli.md`"
 
 
 def test_job_config_keys_are_settings_and_job_flags_documented_in_docs():

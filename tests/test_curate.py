@@ -9,9 +9,9 @@ from pathlib import Path
 import polars as pl
 import pyarrow.parquet as pq
 
-from pipeline.audit import AuditConfig, InputSpec, audit, sample_paths
-from pipeline.cli import main
-from pipeline.curate import CURATION
+from pipeline.audit.run import AuditConfig, InputSpec, audit, sample_paths
+from pipeline.cli.main import main
+from pipeline.report.curate import CURATION
 
 FAST = AuditConfig(executor="local", dense="off")
 

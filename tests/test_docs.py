@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import clidoc
-from pipeline.cli import build_parser
+from pipeline.cli import clidoc
+from pipeline.cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()

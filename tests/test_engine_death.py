@@ -7,14 +7,15 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from test_resume_and_out import _assert_same_outputs
 
 from pipeline.agents import AgentSpec
-from pipeline.audit import AuditConfig, InputSpec, run_audit
-from pipeline.errors import EngineDeadError
-from pipeline.evaluate import AgentWorker, engine_died
-from pipeline.pools import LocalPool
-from pipeline.testing.faults import DyingAgent, EngineDeadError as FakeEngineDead
-from test_resume_and_out import _assert_same_outputs
+from pipeline.audit.run import AuditConfig, InputSpec, run_audit
+from pipeline.audit.worker import AgentWorker, engine_died
+from pipeline.core.errors import EngineDeadError
+from pipeline.exec.pools import LocalPool
+from pipeline.testing.faults import DyingAgent
+from pipeline.testing.faults import EngineDeadError as FakeEngineDead
 
 
 class OutOfMemoryError(RuntimeError):
@@ -65,10 +66,10 @@ def test_a_case_level_error_stays_case_level(tmp_path):
 
 @pytest.mark.ray
 def test_an_actor_whose_engine_dies_is_restarted_and_the_run_completes(ray_session, tmp_path):
-    from pipeline.evaluate import agent_fingerprint
-    from pipeline.ray_exec import RayPool
-
     from test_audit_local import audit
+
+    from pipeline.audit.worker import agent_fingerprint
+    from pipeline.exec.ray_pool import RayPool
 
     audit(tmp_path, "local", batch_size=32)
     pools, queries, files = InputSpec().load()

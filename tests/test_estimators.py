@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 from pipeline.game.attribution import shapley_exact
 from pipeline.game.estimators import (
     ESTIMATOR_NAMES,
@@ -197,9 +197,9 @@ def test_adaptive_stops_by_separation_and_the_prior_only_adds_draws():
 @pytest.fixture(scope="module")
 def budget_audit(tmp_path_factory):
     """The sample pool audited at K=8 with a budget of 40 evaluations per query, once per estimator."""
-    from pipeline.audit import AuditConfig, InputSpec, run_audit
-    from pipeline.evaluate import AgentWorker
-    from pipeline.pools import LocalPool
+    from pipeline.audit.run import AuditConfig, InputSpec, run_audit
+    from pipeline.audit.worker import AgentWorker
+    from pipeline.exec.pools import LocalPool
 
     pools, queries, files = InputSpec().load()
     out = {}
@@ -232,7 +232,7 @@ def test_audit_and_estimate_give_identical_attributions(budget_audit, name):
     the budget, gives exactly the audit's Shapley values (the audit batches the same runs through ask/tell)."""
     import polars as pl
 
-    from pipeline.cases import case_seed
+    from pipeline.audit.cases import case_seed
 
     cfg, folder = budget_audit[name]
     util = pl.read_parquet(folder / "utilities")
@@ -279,7 +279,7 @@ def test_cli_refuses_a_bad_budget_in_one_line(tmp_path, bad):
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "pipeline.cli", "audit", "--executor", "local", "--dense", "off",
+    done = subprocess.run([sys.executable, "-m", "pipeline.cli.main", "audit", "--executor", "local", "--dense", "off",
                            "--budget", bad, "--out", str(tmp_path / "o"), "--no-progress"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
@@ -309,11 +309,11 @@ def test_sparse_interactions_equal_the_dense_index():
 @pytest.mark.parametrize("name", ("adaptive", "kernelshap", "permutation"))
 def test_a_k20_case_runs_through_the_audit_reduction_within_its_budget(name, no_2k_arrays):
     """K=20 with a budget of 200: the reduction (estimator, LOO, interactions, clearance) never builds 2^K of anything."""
-    from pipeline.cases import Case
+    from pipeline.audit.cases import Case
+    from pipeline.audit.reduce import CaseState, advance, finalize
     from pipeline.game.plan import make_plan
     from pipeline.io.records import Query
-    from pipeline.reduce import CaseState, advance, finalize
-    from pipeline.retrieval import FrozenContext
+    from pipeline.retrieval.frozen import FrozenContext
 
     k = 20
     w = np.where(np.arange(k) % 5 == 0, -0.3, 0.02)

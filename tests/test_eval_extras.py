@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 
 from pipeline.bench import report
-from pipeline.cli import main
+from pipeline.cli.main import main
 
 
 def test_missing_matplotlib_fails_before_any_work_with_the_install_command(tmp_path, capsys, monkeypatch):

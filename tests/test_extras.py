@@ -44,7 +44,7 @@ def _meclear(args: list[str], tmp_path: Path, hidden: set[str]) -> subprocess.Co
     site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text(HIDE.format(hidden=sorted(hidden)))
     env = os.environ | {"PYTHONPATH": f"{site}{os.pathsep}{ROOT}", "RAY_ADDRESS": ""}
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, env=env,
+    return subprocess.run([sys.executable, "-m", "pipeline.cli.main", *args], capture_output=True, text=True, env=env,
                           timeout=300, cwd=tmp_path)
 
 
@@ -106,7 +106,7 @@ def test_the_smollm2_extra_alone_runs_the_transformers_agent_on_smollm2(tmp_path
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {
         "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "RAY_ADDRESS": ""}
     out = tmp_path / "o"
-    proc = subprocess.run([str(python), "-m", "pipeline.cli", "audit", "--agent", "transformers", "--model",
+    proc = subprocess.run([str(python), "-m", "pipeline.cli.main", "audit", "--agent", "transformers", "--model",
                            "smollm2-135m-instruct", "--executor", "local", "--dense", "off", "--max-queries", "1", "--top-k", "2",
                            "--no-progress", "--out", str(out)], capture_output=True, text=True, env=env, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -9,14 +9,14 @@ import polars as pl
 import pytest
 
 from pipeline.agents.reader import ReaderAgent
-from pipeline.audit import AuditConfig, InputSpec, run_audit
-from pipeline.evaluate import AgentWorker
+from pipeline.audit.reduce import CaseState
+from pipeline.audit.run import AuditConfig, InputSpec, run_audit
+from pipeline.audit.worker import AgentWorker
+from pipeline.exec.pools import LocalPool
 from pipeline.game import SparseTable, make_plan
 from pipeline.game.attribution import interactions_from_evaluated, shapley_permutation
 from pipeline.game.plan import prefix_masks
 from pipeline.store.reuse import PoolReuse, previous_utilities
-from pipeline.pools import LocalPool
-from pipeline.reduce import CaseState
 
 REDUCTIONS = ("contexts", "attributions", "interactions", "clearances", "errors")
 VOLATILE = ("run_id",)
@@ -111,9 +111,9 @@ def test_sparse_table_answers_like_the_dense_array():
 
 @pytest.mark.parametrize("k", [6, 12])
 def test_sampled_plans_store_only_their_coalitions_and_estimate_as_dense(k):
-    from pipeline.cases import Case
+    from pipeline.audit.cases import Case
     from pipeline.io.records import Query
-    from pipeline.retrieval import FrozenContext
+    from pipeline.retrieval.frozen import FrozenContext
 
     plan = make_plan(k, 16, "permutation", seed=3)
     ctx = FrozenContext("p", "q", tuple(f"m{i}" for i in range(k)), ("t",) * k, (0.0,) * k, tuple(range(1, k + 1)),

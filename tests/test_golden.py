@@ -4,9 +4,8 @@ A deliberate change of behaviour regenerates them (`python tests/golden.py --wri
 
 from __future__ import annotations
 
-import pytest
-
 import golden
+import pytest
 from data_paths import LOCOMO
 
 

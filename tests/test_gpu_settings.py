@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.errors import ConfigError, ResourceError
-from pipeline.gpu_settings import plan_gpus
-from pipeline.ray_exec import wait_for_gpus
+from pipeline.core.errors import ConfigError, ResourceError
+from pipeline.exec.gpu import plan_gpus
+from pipeline.exec.ray_pool import wait_for_gpus
 
 
 def test_vllm_on_a_gpu_cluster_gets_one_gpu_per_actor_by_default():
@@ -86,7 +86,7 @@ def test_a_gpu_pool_on_a_cluster_without_gpus_asks_the_autoscaler_then_fails_in_
     """Real Ray (no GPU here, no autoscaler): the request goes through Ray's SDK and the driver gives up after the
     stated timeout, before any actor starts; before issue 20 it raised at once and never asked for a node."""
     from pipeline.agents import AgentSpec
-    from pipeline.ray_exec import start_agent_pool
+    from pipeline.audit.actors import start_agent_pool
 
     with pytest.raises(ResourceError, match="after waiting 2 s for the autoscaler") as info:
         start_agent_pool(AgentSpec("reader", {}), actors=1, gpus_per_actor=1.0, gpu_wait_s=2)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.errors import ConfigError
-from pipeline.audit import load_job_config
+from pipeline.audit.run import load_job_config
+from pipeline.core.errors import ConfigError
 
 JOBS = Path(__file__).resolve().parents[1] / "jobs" / "configs"
 

@@ -17,11 +17,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 # hf_agent, ray_session, tiny_model and vllm_agent are module-scoped fixtures
-from llm_fixtures import CROSS_BACKEND_TOL, hf_agent, ray_session, tiny_model, vllm_agent  # noqa: F401
+from llm_fixtures import (  # noqa: F401
+    CROSS_BACKEND_TOL,
+    hf_agent,
+    ray_session,
+    tiny_model,
+    vllm_agent,
+)
+
 from pipeline.agents import llm_filter, prompts
 from pipeline.agents.base import AgentRequest
-from pipeline.errors import ConfigError
-
+from pipeline.core.errors import ConfigError
 
 QUESTION = "Where does the user live?"
 OPTIONS = ("Paris", "Rome", "Oslo", "Lima")
@@ -243,7 +249,15 @@ def _tokenizer(tiny_model: str, variant: str) -> Any:
 def _llama3_style_tokenizer() -> Any:
     """A byte-level BPE with Llama 3's pre-tokenizer, trained on our prompts so it has merges such as ">\n\n" and
     ":\n" that cross the line breaks between memory lines (the tiny model has none, so any split is exact for it)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))

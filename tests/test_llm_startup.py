@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from data_paths import LOCOMO
 from llm_fixtures import has_module, tiny_model  # noqa: F401 - fixture
 
@@ -27,7 +26,7 @@ psutil = pytest.importorskip("psutil")
 def _cli(args: list[str]) -> subprocess.Popen:
     env = os.environ | {"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     env.pop("RAY_ADDRESS", None)  # a fresh local Ray per run, as a user's first run gets
-    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, env=env, text=True,
+    return subprocess.Popen([sys.executable, "-m", "pipeline.cli.main", *args], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.cli import main
-from pipeline.errors import OutputError
+from pipeline.cli.main import main
+from pipeline.core.errors import OutputError
 from pipeline.store.lock import OutLock
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RACE = r"""
 import json, os, sys, time
 from pathlib import Path
-from pipeline.errors import OutputError
+from pipeline.core.errors import OutputError
 from pipeline.store.lock import OutLock
 
 root, trials, racers = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])

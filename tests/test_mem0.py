@@ -9,8 +9,8 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from pipeline.cli import main
-from pipeline.errors import InputError
+from pipeline.cli.main import main
+from pipeline.core.errors import InputError
 from pipeline.io.mem0 import load_mem0
 
 FIXTURE = Path(__file__).parent / "fixtures" / "mem0"

@@ -1,4 +1,4 @@
-"""Worker pools (pipeline.pools): `map` keeps every worker at its in-flight limit and honours pins; both utilities come
+"""Worker pools (pipeline.exec.pools): `map` keeps every worker at its in-flight limit and honours pins; both utilities come
 back from one evaluation; the throughput benchmark's recording pool sees exactly the agent calls the workers make;
 the scheduler sends whole cases; a worker runs a batch of cases to their rows."""
 
@@ -14,16 +14,23 @@ import pytest
 
 from pipeline.agents import AgentSpec
 from pipeline.agents.reader import ReaderAgent
-from pipeline.audit import AuditConfig, InputSpec, run_audit
-from pipeline.cases import make_cases
-from pipeline.errors import AgentStartError
+from pipeline.audit.cases import make_cases
+from pipeline.audit.driver import Scheduler
+from pipeline.audit.run import AuditConfig, InputSpec, run_audit
+from pipeline.audit.worker import (
+    AgentWorker,
+    CaseSettings,
+    CaseTask,
+    WorkItem,
+    agent_fingerprint,
+    evaluate_items,
+    run_cases,
+)
+from pipeline.core.errors import AgentStartError
+from pipeline.exec.pools import LocalPool, map_calls
 from pipeline.game import GamePlan, make_plan
-from pipeline.evaluate import (AgentWorker, CaseSettings, CaseTask, WorkItem, agent_fingerprint, evaluate_items,
-                               run_cases)
-from pipeline.driver import Scheduler
 from pipeline.perf.throughput import RecordingPool, batch_requests
-from pipeline.pools import LocalPool, map_calls
-from pipeline.retrieval import Retriever
+from pipeline.retrieval.frozen import Retriever
 
 
 class Squares:

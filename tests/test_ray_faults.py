@@ -8,15 +8,16 @@ import os
 import signal
 
 import pytest
-
-from pipeline.audit import AuditConfig, InputSpec, run_audit
-from pipeline.agents import AgentSpec
-from pipeline.cli import main
-from pipeline.errors import AgentStartError
-from pipeline.ray_exec import RayPool, start_agent_pool
 from data_paths import LOCOMO
 from test_audit_local import audit
 from test_resume_and_out import _assert_same_outputs
+
+from pipeline.agents import AgentSpec
+from pipeline.audit.actors import start_agent_pool
+from pipeline.audit.run import AuditConfig, InputSpec, run_audit
+from pipeline.cli.main import main
+from pipeline.core.errors import AgentStartError
+from pipeline.exec.ray_pool import RayPool
 
 pytestmark = pytest.mark.ray
 

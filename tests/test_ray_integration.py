@@ -7,9 +7,9 @@ import json
 import polars as pl
 import pytest
 
-from pipeline.cli import main
-from pipeline.audit import InputSpec
-from pipeline.schemas import DATASETS
+from pipeline.audit.run import InputSpec
+from pipeline.cli.main import main
+from pipeline.store.schemas import DATASETS
 
 pytestmark = pytest.mark.ray
 

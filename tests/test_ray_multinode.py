@@ -17,7 +17,6 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-
 from test_audit_local import audit
 from test_resume_and_out import KEY, _assert_same_outputs
 

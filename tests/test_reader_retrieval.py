@@ -10,11 +10,11 @@ import pytest
 from pipeline.agents.base import AgentRequest, AgentResponse
 from pipeline.agents.reader import ReaderAgent, ReaderConfig
 from pipeline.agents.utility import score
-from pipeline.cli import build_parser
-from pipeline.errors import ConfigError
+from pipeline.cli.main import build_parser
+from pipeline.core.errors import ConfigError
+from pipeline.core.text import token_f1
 from pipeline.io.records import Memory, Pool, Query
-from pipeline.retrieval import BM25, Retriever, context_hash
-from pipeline.text import token_f1
+from pipeline.retrieval.frozen import BM25, Retriever, context_hash
 
 
 def ask(memories, options=("green tea", "black coffee", "orange juice")):

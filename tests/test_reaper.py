@@ -17,7 +17,7 @@ psutil = pytest.importorskip("psutil")
 # An owner that starts a long-lived child (standing in for an engine worker), guards it, prints its pid, then waits.
 OWNER = r"""
 import subprocess, sys, time
-from pipeline import reaper
+from pipeline.core import reaper
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 watcher = reaper.guard([child.pid])
 print(child.pid, watcher.pid, flush=True)
@@ -63,7 +63,7 @@ def test_a_killed_owner_takes_its_engine_processes_along():
 
 
 def test_nothing_to_guard_starts_no_watcher():
-    from pipeline import reaper
+    from pipeline.core import reaper
 
     assert reaper.guard([]) is None
 
@@ -72,7 +72,7 @@ def test_nothing_to_guard_starts_no_watcher():
 # earlier and its id was reused by an unrelated process (the child here stands in for that process).
 REUSED = r"""
 import subprocess, sys, time
-from pipeline import reaper
+from pipeline.core import reaper
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], stdout=subprocess.DEVNULL)
 watcher = reaper.guard([child.pid], started={child.pid: reaper.start_time(child.pid) - 1})
 print(child.pid, watcher.pid, flush=True)
@@ -89,7 +89,7 @@ def test_a_reused_process_id_is_not_killed():
 
 
 def test_start_time_names_one_process():
-    from pipeline import reaper
+    from pipeline.core import reaper
 
     me = reaper.start_time(os.getpid())
     assert isinstance(me, int) and me > 0

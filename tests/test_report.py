@@ -10,12 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from matplotlib.image import imread
-
 from chromium import dump_dom, needs_chromium, screenshot
 from data_paths import LOCOMO
-from pipeline.audit import AuditConfig, InputSpec, audit, sample_paths
-from pipeline.cli import main
+from matplotlib.image import imread
+
+from pipeline.audit.run import AuditConfig, InputSpec, audit, sample_paths
+from pipeline.cli.main import main
 from pipeline.report.page import json_for_script
 
 FAST = AuditConfig(executor="local", dense="off")

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-
-from pipeline.cli import main
-from pipeline.audit import sample_paths
 from test_audit_local import audit
+
+from pipeline.audit.run import sample_paths
+from pipeline.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
 REDUCTIONS = ("contexts", "attributions", "interactions", "clearances")
@@ -26,9 +26,11 @@ KEY = ["pool_id", "query_id", "context_hash", "coalition", "agent", "utility_mod
 DYING_DRIVER = """
 import os, signal, sys
 from pipeline.agents.reader import ReaderAgent
-from pipeline.audit import AuditConfig, InputSpec, run_audit
-from pipeline.evaluate import AgentWorker
-from pipeline.pools import LocalPool
+from pipeline.audit.run import AuditConfig
+from pipeline.audit.run import InputSpec
+from pipeline.audit.run import run_audit
+from pipeline.audit.worker import AgentWorker
+from pipeline.exec.pools import LocalPool
 
 class Dying(ReaderAgent):
     batches = 0
@@ -197,7 +199,7 @@ SLOW_CLI = """
 import sys, time
 from pathlib import Path
 from pipeline.agents.reader import ReaderAgent
-from pipeline.cli import main
+from pipeline.cli.main import main
 
 answer = ReaderAgent.answer_batch
 ReaderAgent.answer_batch = lambda self, requests: (time.sleep(0.2), answer(self, requests))[1]
@@ -226,9 +228,9 @@ def test_ctrl_c_closes_the_agent_releases_the_lock_and_exits_130(tmp_path):
 
 def test_an_agent_error_on_one_query_goes_to_errors_and_the_rest_finish(tmp_path):
     from pipeline.agents.reader import ReaderAgent
-    from pipeline.audit import AuditConfig, InputSpec, run_audit
-    from pipeline.evaluate import AgentWorker
-    from pipeline.pools import LocalPool
+    from pipeline.audit.run import AuditConfig, InputSpec, run_audit
+    from pipeline.audit.worker import AgentWorker
+    from pipeline.exec.pools import LocalPool
 
     class FailsOnOne(ReaderAgent):
         def answer_batch(self, requests):

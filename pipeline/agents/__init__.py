@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from pipeline.agents.base import Agent, AgentRequest, AgentResponse, AgentSpec
-from pipeline.errors import ConfigError
-from pipeline.validation import from_mapping
+from pipeline.core.errors import ConfigError
+from pipeline.core.validation import from_mapping
 
 AGENTS = ("reader", "vllm", "transformers")
 

@@ -17,10 +17,14 @@ from typing import Any, Mapping, Sequence
 
 from pipeline.agents import llm_filter, prompts
 from pipeline.agents.base import AgentRequest, AgentResponse
-from pipeline.agents.llm_config import agent_fingerprint_fields, check_common, resolved_scoring
+from pipeline.agents.llm_config import (
+    agent_fingerprint_fields,
+    check_common,
+    resolved_scoring,
+)
 from pipeline.agents.models import resolve_model
-from pipeline.errors import MissingDependencyError
-from pipeline.validation import check, fingerprint, from_mapping
+from pipeline.core.errors import MissingDependencyError
+from pipeline.core.validation import check, fingerprint, from_mapping
 
 log = logging.getLogger(__name__)
 

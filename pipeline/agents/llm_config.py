@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from pipeline.agents import prompts
-from pipeline.validation import check
+from pipeline.core.validation import check
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 

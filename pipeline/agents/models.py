@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.cache import cache_root
-from pipeline.errors import AgentError, MissingDependencyError
+from pipeline.core.cache import cache_root
+from pipeline.core.errors import AgentError, MissingDependencyError
 
 log = logging.getLogger(__name__)
 

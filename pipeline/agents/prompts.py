@@ -28,7 +28,7 @@ import string
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from pipeline.errors import AgentError
+from pipeline.core.errors import AgentError
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,8 @@ from typing import Sequence
 import numpy as np
 
 from pipeline.agents.base import AgentRequest, AgentResponse
-from pipeline.text import tokens
-from pipeline.validation import check, fingerprint
-
+from pipeline.core.text import tokens
+from pipeline.core.validation import check, fingerprint
 
 MAX_BETA = 1e6
 

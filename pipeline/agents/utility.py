@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from pipeline.agents.base import AgentResponse
-from pipeline.text import exact_match, gold_index, token_f1
+from pipeline.core.text import exact_match, gold_index, token_f1
 
 UTILITY_MODES = ("probability", "correct")
 

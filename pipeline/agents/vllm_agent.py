@@ -36,13 +36,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from pipeline import reaper
 from pipeline.agents import llm_filter, prompts
 from pipeline.agents.base import AgentRequest, AgentResponse
-from pipeline.agents.llm_config import agent_fingerprint_fields, check_common, resolved_scoring
+from pipeline.agents.llm_config import (
+    agent_fingerprint_fields,
+    check_common,
+    resolved_scoring,
+)
 from pipeline.agents.models import default_max_len, model_identity, resolve_model
-from pipeline.errors import AgentError, MissingDependencyError
-from pipeline.validation import check, fingerprint, from_mapping
+from pipeline.core import reaper
+from pipeline.core.errors import AgentError, MissingDependencyError
+from pipeline.core.validation import check, fingerprint, from_mapping
 
 log = logging.getLogger(__name__)
 

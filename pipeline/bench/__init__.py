@@ -3,7 +3,13 @@
 Pure numpy (scikit-learn for the ContextCite and ProxySPEX baselines, imported lazily); no Ray here.
 """
 
-from pipeline.bench.bootstrap import bootstrap, bootstrap_groups, bootstrap_table, paired_difference, resample_weights
+from pipeline.bench.bootstrap import (
+    bootstrap,
+    bootstrap_groups,
+    bootstrap_table,
+    paired_difference,
+    resample_weights,
+)
 from pipeline.bench.metrics import (
     MECHANISMS,
     METRICS,

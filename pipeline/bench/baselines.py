@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipeline.errors import MissingDependencyError
+from pipeline.core.errors import MissingDependencyError
 from pipeline.game.plan import MAX_PLAYERS, full_mask, loo_coalitions
 from pipeline.game.surrogates import (  # noqa: F401  (the arithmetic lives in the game core; names kept for callers)
     CONTEXTCITE_ALPHA,
-    SurrogateError,
     DEFAULT_MASKS,
     LOGIT_CLIP,
+    SurrogateError,
     contextcite_fit,
     fourier_basis,
     fourier_moebius,

@@ -15,7 +15,13 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from pipeline.bench.metrics import BenchError, CaseResult, CaseTable, case_table, paired_table
+from pipeline.bench.metrics import (
+    BenchError,
+    CaseResult,
+    CaseTable,
+    case_table,
+    paired_table,
+)
 
 DEFAULT_REPLICATES = 2000
 DEFAULT_LEVEL = 0.95

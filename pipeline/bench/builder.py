@@ -36,15 +36,22 @@ import numpy as np
 
 from pipeline.agents.base import Agent, AgentRequest, AgentResponse
 from pipeline.agents.utility import score
-from pipeline.bench.faults import MECHANISMS, STRONG_TEMPLATES, FaultSpec, content_words, fault_memories, fault_specs
+from pipeline.audit.cases import Case, case_seed
+from pipeline.audit.settings import check_setting
+from pipeline.bench.faults import (
+    MECHANISMS,
+    STRONG_TEMPLATES,
+    FaultSpec,
+    content_words,
+    fault_memories,
+    fault_specs,
+)
 from pipeline.bench.outcomes import CaseOutcomes
 from pipeline.bench.reretrieval import PoolIndex
-from pipeline.cases import Case, case_seed
+from pipeline.core.validation import check
 from pipeline.game.plan import full_mask
 from pipeline.io.records import Pool, Query
-from pipeline.retrieval import DEFAULT_TOP_K
-from pipeline.settings import check_setting
-from pipeline.validation import check
+from pipeline.retrieval.frozen import DEFAULT_TOP_K
 
 log = logging.getLogger(__name__)
 

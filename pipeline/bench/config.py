@@ -1,16 +1,21 @@
 """`EvalConfig`: every setting of an FI-LoCoMo benchmark run, validated at construction (the shared fields and their
-checks come from `pipeline.settings.RunSettings`)."""
+checks come from `pipeline.audit.settings.RunSettings`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from pipeline.agents.utility import UTILITY_MODES
+from pipeline.audit.settings import RunSettings, check_setting
 from pipeline.bench.bootstrap import DEFAULT_REPLICATES
 from pipeline.bench.builder import BuildConfig
-from pipeline.bench.methods import DEFAULT_BUDGETS, DEFAULT_METHODS, MethodConfig, expand_methods
-from pipeline.settings import RunSettings, check_setting
-from pipeline.validation import check
+from pipeline.bench.methods import (
+    DEFAULT_BUDGETS,
+    DEFAULT_METHODS,
+    MethodConfig,
+    expand_methods,
+)
+from pipeline.core.validation import check
 
 
 @dataclass(frozen=True, kw_only=True)

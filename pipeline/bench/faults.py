@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipeline.core.text import STOPWORDS, tokens
 from pipeline.io.records import Memory, Pool, Query
-from pipeline.text import STOPWORDS, tokens
 
 MECHANISMS = ("direct", "redundant", "joint")
 

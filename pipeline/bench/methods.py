@@ -30,17 +30,22 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from pipeline.agents.base import Agent
+from pipeline.audit.settings import (
+    DEFAULT_KAPPA,
+    DEFAULT_TAU,
+    check_number,
+    check_setting,
+)
 from pipeline.bench.baselines import CachedOracle, loo, relevance_filter
 from pipeline.bench.builder import BenchCase
 from pipeline.bench.metrics import full_ranking
 from pipeline.bench.outcomes import CaseOutcomes
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
+from pipeline.core.text import tokens
 from pipeline.game import harmful_ranking, select_clearance
 from pipeline.game.clearance import clearance_coalitions
 from pipeline.game.plan import full_mask, loo_coalitions
 from pipeline.game.sparse import SparseTable
-from pipeline.settings import DEFAULT_KAPPA, DEFAULT_TAU, check_number, check_setting
-from pipeline.text import tokens
 
 FAMILIES = ("meclear", "loo", "contextcite", "proxyspex", "filter")
 CONTROLS = ("position", "random", "oracle")
@@ -75,7 +80,7 @@ class MethodConfig:
     filter_threshold: float = 0.5  # relevance filter: drop memories with fewer than this share of question words
 
     def __post_init__(self) -> None:
-        check_setting("tau", self.tau, "method config")  # the audit's rules (pipeline.settings.SETTING_RULES)
+        check_setting("tau", self.tau, "method config")  # the audit's rules (pipeline.audit.settings.SETTING_RULES)
         check_setting("kappa", self.kappa, "method config")
         check_number(self.filter_threshold, "method config", "filter_threshold")
         for name in ("contextcite_masks", "proxyspex_masks"):

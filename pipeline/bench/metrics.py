@@ -35,7 +35,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline.bench.faults import MECHANISMS
-from pipeline.errors import MeClearError
+from pipeline.core.errors import MeClearError
+
 METRICS = (
     "recall_at_m",
     "recall_at_m_thresholded",

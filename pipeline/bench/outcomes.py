@@ -17,7 +17,7 @@ import numpy as np
 
 from pipeline.agents.base import Agent
 from pipeline.agents.utility import UTILITY_MODES, in_mode, outcome
-from pipeline.cases import Case
+from pipeline.audit.cases import Case
 
 
 class CaseOutcomes:

@@ -29,10 +29,10 @@ from pipeline.bench.builder import (
 )
 from pipeline.bench.config import EvalConfig
 from pipeline.bench.methods import run_case
-from pipeline.errors import ConfigError
-from pipeline.pools import LocalPool, WorkerPool
-from pipeline.provenance import sha256_file
-from pipeline.validation import fingerprint
+from pipeline.core.errors import ConfigError
+from pipeline.core.provenance import sha256_file
+from pipeline.core.validation import fingerprint
+from pipeline.exec.pools import LocalPool, WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class BenchWorker:
     def retrieval_mode(self) -> str:
         if self._index is not None:
             return self._index.mode
-        from pipeline.retrieval import retrieval_mode, use_dense
+        from pipeline.retrieval.frozen import retrieval_mode, use_dense
 
         return retrieval_mode(use_dense(self.config.dense))
 
@@ -154,7 +154,8 @@ def _workers(config: EvalConfig, progress: bool) -> Iterator[WorkerPool]:
         return
     import dataclasses
 
-    from pipeline.ray_exec import RayPool, cluster_session, plan_pool_gpus, pool_size
+    from pipeline.audit.actors import plan_pool_gpus, pool_size
+    from pipeline.exec.ray_pool import RayPool, cluster_session
 
     with cluster_session():
         plan = plan_pool_gpus(config.agent_spec, config.actors, 1.0, config.gpus_per_actor)  # issue 20
@@ -177,7 +178,7 @@ def _agreed(pool: WorkerPool, method: str):
 
 def run_benchmark(config: EvalConfig, conversations: list[str], progress: bool = True) -> EvalResult:
     """Build the cases of `conversations` and run every method on them (no output written here)."""
-    from pipeline.progress import progress_bar
+    from pipeline.core.progress import progress_bar
 
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
@@ -244,9 +245,8 @@ def evaluate(config: EvalConfig, out: str | Path, progress: bool = True) -> dict
     Returns the summary (as written to summary.json).
     """
     from pipeline.bench import report
+    from pipeline.core.extras import require_eval
     from pipeline.io.locomo import load_locomo
-
-    from pipeline.extras import require_eval
     from pipeline.store.outdir import check_eval_out
 
     require_eval(config.methods)  # before any work: a missing extra must not surface after the whole benchmark

@@ -1,5 +1,7 @@
 """The cooperative-game core: pure numpy over int64 coalition bitmasks (bit i = context position i). No Ray here."""
 
+import pipeline.game.surrogates  # noqa: E402,F401  (registers contextcite and proxyspex with the estimator registry)
+from pipeline.game.adaptive import stop_reason
 from pipeline.game.attribution import (
     interaction_labels,
     interactions_exact,
@@ -9,11 +11,14 @@ from pipeline.game.attribution import (
     shapley_least_squares,
     shapley_permutation,
 )
-from pipeline.game.clearance import Clearance, clearance_coalitions, harmful_ranking, select_clearance
-from pipeline.game.adaptive import stop_reason
+from pipeline.game.clearance import (
+    Clearance,
+    clearance_coalitions,
+    harmful_ranking,
+    select_clearance,
+)
 from pipeline.game.plan import GamePlan, make_plan
 from pipeline.game.sparse import SparseTable
-import pipeline.game.surrogates  # noqa: E402,F401  (registers contextcite and proxyspex with the estimator registry)
 
 __all__ = [
     "SparseTable",

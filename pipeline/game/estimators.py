@@ -5,7 +5,7 @@
 - An `Estimator` asks the game for at most `budget` distinct coalitions (never 2^K unless budget >= 2^K) and returns
   an `Attribution`: values, standard errors, evaluations spent, why it stopped, whether the values are estimated.
 - `start(k, budget, rng)` gives the same estimator in ask/tell form (`EstimatorRun`), so the audit can batch the
-  coalitions of many cases into one engine call (pipeline.evaluate.run_cases) while the benchmark calls `estimate`.
+  coalitions of many cases into one engine call (pipeline.audit.worker.run_cases) while the benchmark calls `estimate`.
   `estimate` is exactly `while len(m := run.ask()): run.tell(m, game(m))`, so both give identical attributions for
   the same case and seed.
 
@@ -28,7 +28,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 from pipeline.game.adaptive import DEFAULT_Z, separated
 from pipeline.game.attribution import (
     permutation_contributions,
@@ -97,7 +97,7 @@ class Estimator(Protocol):
 # harmful ranking; N and N minus the top memory are anchors, so only |H| - 1 more can be needed. Harmful sets at K=10
 # on LoCoMo hold 1-3 memories, so 2 are kept back (never more than K - 2, never below the K+2 the estimator needs);
 # whatever an estimator leaves unspent (adaptive stops early) also goes to the clearance, and a clearance that cannot
-# afford a candidate does not check it (pipeline.reduce).
+# afford a candidate does not check it (pipeline.audit.reduce).
 CLEARANCE_RESERVE = 2
 
 

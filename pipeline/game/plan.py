@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 
 ESTIMATORS = ("auto", "exact", "permutation", "antithetic", "adaptive", "kernelshap", "leverage", "contextcite",
               "proxyspex")  # "auto" and the contract's names (pipeline.game.estimators.ESTIMATOR_NAMES)

@@ -2,7 +2,7 @@
 
 Both fit a model to `budget` uniformly random coalitions (each memory kept with probability 1/2) and read an
 attribution off it; neither asks the K+2 anchors (`anchors = False`), so a caller that needs LOO evaluates it itself
-(pipeline.reduce). Their arithmetic lives here, in the game core; `pipeline.bench.baselines` keeps only the
+(pipeline.audit.reduce). Their arithmetic lives here, in the game core; `pipeline.bench.baselines` keeps only the
 benchmark's adapters (oracles, result records). scikit-learn is imported lazily (the `eval` extra).
 
 - ContextCite (Cohen-Wang et al., 2024, "ContextCite: Attributing Model Generation to Context"): random ablations,
@@ -18,7 +18,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from pipeline.errors import ConfigError, MeClearError
+from pipeline.core.errors import ConfigError, MeClearError
 from pipeline.game.estimators import Steps, _Base, _Run, register
 from pipeline.game.plan import MAX_PLAYERS
 
@@ -64,7 +64,9 @@ def contextcite_fit(sample: np.ndarray, util: np.ndarray, k: int, alpha: float =
     release uses the probability of the model's own generated response; (2) in `correct` mode the utility is the 0/1
     outcome, whose clipped logit is +-13.8, an affine rescaling of the outcome; (3) duplicated ablations are
     evaluated once but stay regression rows, as in the release; (4) our own code, no dependency on their package."""
-    from sklearn.linear_model import Lasso  # lazy: scikit-learn is in the `eval` extra only
+    from sklearn.linear_model import (
+        Lasso,  # lazy: scikit-learn is in the `eval` extra only
+    )
 
     if alpha < 0:
         raise SurrogateError(f"ContextCite Lasso alpha={alpha}; must be >= 0")
@@ -209,7 +211,9 @@ def proxyspex_fourier(sample: np.ndarray, util: np.ndarray, k: int, seed: int = 
         )
     if np.ptp(util) == 0.0:  # a constant game: no tree can split, every Shapley value is zero
         return {0: float(util[0])}
-    from sklearn.ensemble import GradientBoostingRegressor  # lazy: scikit-learn is in the `eval` extra only
+    from sklearn.ensemble import (
+        GradientBoostingRegressor,  # lazy: scikit-learn is in the `eval` extra only
+    )
     from sklearn.linear_model import RidgeCV
 
     gbr = GradientBoostingRegressor(

@@ -5,9 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable
 
-from pipeline.errors import InputError
-from pipeline.io.records import (MAX_MEMORY_CHARS, Pool, PoolGrouper, Query, iter_records, parse_memory, parse_query,
-                                 regular_file, text_field, warn_unknown)
+from pipeline.core.errors import InputError
+from pipeline.io.records import (
+    MAX_MEMORY_CHARS,
+    Pool,
+    PoolGrouper,
+    Query,
+    iter_records,
+    parse_memory,
+    parse_query,
+    regular_file,
+    text_field,
+    warn_unknown,
+)
 
 MEMORY_FIELDS = {"memory_id", "text", "timestamp", "speaker", "metadata", "pool_id"}
 QUERY_FIELDS = {"query_id", "pool_id", "question", "answer", "options", "category", "evidence"}

@@ -14,10 +14,20 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.errors import InputError
-from pipeline.io.records import (MAX_FIELD_CHARS, MAX_MEMORY_CHARS, MAX_OPTION_CHARS, MAX_QUESTION_CHARS, Memory, Pool,
-                                 Query, check_length, loads_json, regular_file)
-from pipeline.text import normalize_answer
+from pipeline.core.errors import InputError
+from pipeline.core.text import normalize_answer
+from pipeline.io.records import (
+    MAX_FIELD_CHARS,
+    MAX_MEMORY_CHARS,
+    MAX_OPTION_CHARS,
+    MAX_QUESTION_CHARS,
+    Memory,
+    Pool,
+    Query,
+    check_length,
+    loads_json,
+    regular_file,
+)
 
 _SESSION = re.compile(r"^session_(\d+)$")
 

@@ -13,9 +13,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from pipeline.errors import InputError
-from pipeline.io.records import (MAX_MEMORY_CHARS, Memory, Pool, PoolGrouper, check_length, check_metadata, loads_json,
-                                 regular_file, text_field, warn_unknown)
+from pipeline.core.errors import InputError
+from pipeline.io.records import (
+    MAX_MEMORY_CHARS,
+    Memory,
+    Pool,
+    PoolGrouper,
+    check_length,
+    check_metadata,
+    loads_json,
+    regular_file,
+    text_field,
+    warn_unknown,
+)
 
 USED = {"id", "memory", "created_at", "user_id", "metadata"}
 KNOWN = USED | {"hash", "updated_at", "agent_id", "run_id", "app_id", "actor_id", "role", "categories",

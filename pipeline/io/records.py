@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from pipeline.errors import InputError
-from pipeline.text import gold_index, normalize_answer
+from pipeline.core.errors import InputError
+from pipeline.core.text import gold_index, normalize_answer
 
 log = logging.getLogger(__name__)
 

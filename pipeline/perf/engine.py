@@ -50,9 +50,9 @@ def _all_cpus() -> str:
 def run_variant(name: str, model: str, cases: int, top_k: int) -> VariantResult:
     """In this process: build the agent with the variant's options, answer `cases` cases twice."""
     from pipeline.agents import AgentSpec, build_agent
-    from pipeline.cases import make_cases
-    from pipeline.retrieval import Retriever
-    from pipeline.audit import InputSpec
+    from pipeline.audit.cases import make_cases
+    from pipeline.audit.run import InputSpec
+    from pipeline.retrieval.frozen import Retriever
 
     options, env = VARIANTS[name]
     pools, queries, _ = InputSpec().load()

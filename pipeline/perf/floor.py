@@ -103,9 +103,9 @@ def run_floor_case(model: str, locomo: str, conversation: str, top_k: int = 5, p
     from pipeline.agents import AgentSpec, build_agent, prompts
     from pipeline.agents.models import resolve_model
     from pipeline.agents.vllm_agent import CLOZE_PROMPT, CLOZE_STEPS, engine_jobs
-    from pipeline.audit import InputSpec
-    from pipeline.cases import make_cases
-    from pipeline.retrieval import Retriever
+    from pipeline.audit.cases import make_cases
+    from pipeline.audit.run import InputSpec
+    from pipeline.retrieval.frozen import Retriever
 
     model_dir = resolve_model(model)
     pools, queries, _ = InputSpec(locomo=locomo, conversations=(conversation,)).load()

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from pipeline.agents.base import AgentRequest
-from pipeline.errors import MeClearError
+from pipeline.core.errors import MeClearError
 
 # Largest |P(option) difference| allowed between the production setting and the float32 reference. bfloat16 keeps 8
 # bits of mantissa: hidden states and logits carry ~0.4% relative error per layer, which moves the probability of a
@@ -151,7 +151,12 @@ def floor_ratio(model_dir: str, seconds: float, tokens: int, dtype: str, device:
     (`pipeline.perf.floor`, branch llmspeed) when present, else the same arithmetic here: FLOPs per token = 2 x the
     model's parameters, GEMM rate = the best of torch matmuls at the model's MLP shape, measured now."""
     try:
-        from pipeline.perf.floor import flops_per_token, floor_seconds, gemm_rate, model_shapes
+        from pipeline.perf.floor import (
+            floor_seconds,
+            flops_per_token,
+            gemm_rate,
+            model_shapes,
+        )
 
         per_token = flops_per_token(model_dir)
         rate = gemm_rate(model_shapes(model_dir), dtype=dtype, device=device)["best"]

@@ -1,7 +1,7 @@
 """Agent throughput: the Ray audit pipeline against a bare vLLM `LLM.generate` loop over the same batches of prompts.
 
 (a) pipeline: the real driver (`run_audit`: scheduling, streamed Parquet, per-case reductions) over a Ray pool of
-    agents (`pipeline.ray_exec.start_agent_pool`) whose actor runs `VLLMAgent`. Every agent call the workers make
+    agents (`pipeline.audit.actors.start_agent_pool`) whose actor runs `VLLMAgent`. Every agent call the workers make
     (a batch of coalitions) is recorded.
 (b) bare: one in-process `vllm.LLM` built with the agent's own engine arguments (`engine_kwargs`) that runs `generate`
     over exactly the recorded batches with the agent's own SamplingParams (`engine_jobs`), as a user's own loop would:
@@ -33,15 +33,15 @@ from typing import Any, Sequence
 
 from pipeline.agents import prompts
 from pipeline.agents.base import AgentRequest
-from pipeline.audit import AuditConfig, InputSpec
-from pipeline.cases import Case
-from pipeline.driver import run_audit
-from pipeline.errors import AgentError, ConfigError
-from pipeline.evaluate import CasesDone, WorkItem
+from pipeline.audit.cases import Case
+from pipeline.audit.driver import run_audit
+from pipeline.audit.run import AuditConfig, InputSpec
+from pipeline.audit.worker import CasesDone, WorkItem
+from pipeline.core.errors import AgentError, ConfigError
+from pipeline.core.provenance import versions
+from pipeline.core.validation import check
+from pipeline.exec.pools import WorkerPool
 from pipeline.io.records import Pool, Query
-from pipeline.pools import WorkerPool
-from pipeline.provenance import versions
-from pipeline.validation import check
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +196,7 @@ def run_pipeline(pools: dict[str, Pool], queries: list[Query], audit_config: Aud
     """(a): warm-up on the first query, then `repetitions` cold audits of every query through the real driver."""
     import polars as pl
 
-    from pipeline.ray_exec import start_agent_pool
+    from pipeline.audit.actors import start_agent_pool
 
     t = time.perf_counter()
     agents, fingerprint = start_agent_pool(audit_config.agent_spec, audit_config.actors, audit_config.cpus_per_actor,
@@ -247,7 +247,12 @@ def run_bare(engine_config: Any, warmup: Sequence[WorkItem], batches: Sequence[S
 
     from pipeline.agents.llm_config import resolved_scoring
     from pipeline.agents.models import model_identity
-    from pipeline.agents.vllm_agent import cpu_engine_env, engine_jobs, engine_kwargs, on_cpu_platform
+    from pipeline.agents.vllm_agent import (
+        cpu_engine_env,
+        engine_jobs,
+        engine_kwargs,
+        on_cpu_platform,
+    )
 
     t = time.perf_counter()
     on_cpu = on_cpu_platform()
@@ -333,7 +338,7 @@ def _wait_for_gpu_release(fraction: float, timeout_s: float = 120.0) -> None:
 def run_benchmark(config: AgentBenchConfig, progress: bool = True) -> dict:
     """Run (a) then (b) and return the report (plain data, written as JSON by the job)."""
     from pipeline.agents.vllm_agent import VLLMConfig
-    from pipeline.ray_exec import cluster_session
+    from pipeline.exec.ray_pool import cluster_session
 
     private_tmp = Path(tempfile.mkdtemp(prefix="meclear-bench-", dir="/tmp"))  # short: socket paths have a length limit
     set_engine_env(config.cache_dir, private_tmp)

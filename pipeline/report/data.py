@@ -10,10 +10,10 @@ import numpy as np
 import polars as pl
 
 from pipeline.game.clearance import nested_removals
-from pipeline.schemas import DATASETS
 from pipeline.store import manifest as manifests
 from pipeline.store import parts
 from pipeline.store.manifest import Manifest
+from pipeline.store.schemas import DATASETS
 
 REQUIRED = ("clearances", "attributions", "interactions", "contexts", "utilities")
 

@@ -16,7 +16,7 @@ from matplotlib.backends.backend_svg import FigureCanvasSVG  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from pipeline.text import safe  # noqa: E402
+from pipeline.core.text import safe  # noqa: E402
 
 # Text stays text (svg.fonttype none): a per-query figure is ~12 KB instead of ~60 KB with glyph paths, and the
 # fixed hash salt makes the output byte-identical across runs.

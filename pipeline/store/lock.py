@@ -22,7 +22,7 @@ import stat
 import time
 from pathlib import Path
 
-from pipeline.errors import OutputError
+from pipeline.core.errors import OutputError
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import InputError, OutputError
+from pipeline.core.errors import InputError, OutputError
 from pipeline.store.writer import SCHEMA_VERSION, write_json_atomic
 
 FILE = "manifest.json"

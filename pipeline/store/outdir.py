@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Iterable
 
-from pipeline.errors import OutputError
+from pipeline.core.errors import OutputError
 from pipeline.store import manifest as manifests
 from pipeline.store.lock import LOCK
 from pipeline.store.parts import QUARANTINE

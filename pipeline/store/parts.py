@@ -22,7 +22,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.errors import InputError
+from pipeline.core.errors import InputError
 from pipeline.store.manifest import SchemaVersionError
 from pipeline.store.writer import SCHEMA_VERSION, VERSION_KEY, digest
 

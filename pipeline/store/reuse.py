@@ -7,10 +7,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.schemas import UTILITIES, UTILITY_KEY
 from pipeline.store import writer
 from pipeline.store.parts import good_files
-
+from pipeline.store.schemas import UTILITIES, UTILITY_KEY
 
 CaseKey = tuple[str, str, str]  # (pool_id, query_id, context_hash)
 Previous = tuple[np.ndarray, np.ndarray, np.ndarray, list]  # coalitions, utilities, correct, answers

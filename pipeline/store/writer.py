@@ -25,7 +25,6 @@ from typing import Any, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-
 SCHEMA_VERSION = 1  # of the whole run-folder layout: manifest and parts (`pipeline.store.manifest`)
 VERSION_KEY = b"meclear.schema_version"  # in every part's Arrow schema metadata
 

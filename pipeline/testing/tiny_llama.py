@@ -80,7 +80,14 @@ def _complete(folder: Path, settings: dict) -> bool:
 def _build(folder: Path, settings: dict, seed: int, num_hidden_layers: int, vocab_size: int,
            initializer_range: float) -> None:
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 

@@ -11,18 +11,19 @@ from pathlib import Path
 
 from pipeline.agents import AGENTS
 from pipeline.agents.utility import UTILITY_MODES
-from pipeline import signals
-from pipeline.errors import EXIT_CASE_ERRORS, EXIT_DISK_FULL, MeClearError
+from pipeline.audit.settings import EXECUTORS, field_default
+from pipeline.core import signals
+from pipeline.core.errors import EXIT_CASE_ERRORS, EXIT_DISK_FULL, MeClearError
+from pipeline.core.text import safe
+from pipeline.core.validation import key_values
 from pipeline.game.plan import ESTIMATORS
-from pipeline.retrieval import DENSE_MODES
-from pipeline.settings import EXECUTORS, field_default
+from pipeline.retrieval.frozen import DENSE_MODES
 from pipeline.store.manifest import FILE as manifest_file
 from pipeline.store.outdir import disk_full
-from pipeline.text import safe
-from pipeline.validation import key_values
+
 
 def _add_agent_args(p: argparse.ArgumentParser) -> None:
-    from pipeline.settings import RunSettings
+    from pipeline.audit.settings import RunSettings
 
     d = RunSettings()  # defaults are declared once, on the settings dataclasses
     p.add_argument("--agent", choices=AGENTS, default=d.agent, help="agent whose answers define v(S)")
@@ -53,8 +54,8 @@ def _agent_options(args: argparse.Namespace) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pipeline.audit import InputSpec
-    from pipeline.settings import AuditConfig
+    from pipeline.audit.run import InputSpec
+    from pipeline.audit.settings import AuditConfig
 
     d, i = AuditConfig(), InputSpec()  # defaults are declared once, on the settings dataclasses
     parser = argparse.ArgumentParser(prog="meclear", description=__doc__)
@@ -104,10 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_agent_args(a)
     a.set_defaults(func=cmd_audit)
 
-    from pipeline import eval_cli
+    from pipeline.cli import eval as eval_cli
 
     eval_cli.add_parser(sub, _add_agent_args, _agent_options)
-    from pipeline.report import cli as report_cli
+    from pipeline.cli import report as report_cli
 
     report_cli.add_parsers(sub)
 
@@ -150,8 +151,8 @@ def cmd_probe(args: argparse.Namespace) -> int:
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
-    from pipeline.audit import InputSpec, audit
-    from pipeline.settings import AuditConfig
+    from pipeline.audit.run import InputSpec, audit
+    from pipeline.audit.settings import AuditConfig
 
     inputs = InputSpec(
         memories=args.memories, queries=args.queries, locomo=args.locomo,
@@ -202,7 +203,7 @@ def print_summary(result, wall: float) -> None:
 
 def _print_clearances(summary, limit: int = 12) -> None:
     """Lead with the failing queries the clearance recovered, then those it could not, then gains on correct ones.
-    `summary`: the driver's counts and first rows (`pipeline.reduce.ClearanceSummary`); all rows are in clearances/."""
+    `summary`: the driver's counts and first rows (`pipeline.audit.reduce.ClearanceSummary`); all rows are in clearances/."""
     recovered = [c for c in summary.rows if c.recovered is True]
     if summary.recovered:
         print(f"\n  wrongly answered, recovered by the clearance ({summary.recovered}):")
@@ -240,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
 def run_command(body, prog: str) -> int:
     """Run a command's `body` as the CLI and the jobs do: its exit code; a MeClearError, a signal (Ctrl-C, SIGTERM,
     SIGHUP: the finally blocks below have shut the agents down and released the lock) or a full disk as one line
-    `<prog>: ...` and its exit code (pipeline.errors)."""
+    `<prog>: ...` and its exit code (pipeline.core.errors)."""
     with signals.handled():  # SIGTERM and SIGHUP stop a run the way Ctrl-C does
         try:
             return body()

@@ -10,7 +10,7 @@ Where embedding runs: in the driver by default (`MiniLMEncoder`, torch threads o
 on Ray actors (`EmbedWorker`s behind `PoolEncoder`, `--embed-actors N` with `--executor ray`): the texts the cache
 lacks are sorted by length and cut into chunks of whole batches, and the chunks are spread over the actors. Both give
 the same batches (sorted by length then text, `ENCODE_BATCH` texts each), so the same vectors. The audit's retrieval
-stage runs in a background thread of the driver either way (`pipeline.driver`), so the agents evaluate the first
+stage runs in a background thread of the driver either way (`pipeline.audit.driver`), so the agents evaluate the first
 pools' cases while later pools are embedded. On the 2-core machine actors only split the same two cores; on a cluster
 they spread a cold first night's embedding over its nodes, and with a warm cache a nightly run embeds only the day's
 new texts and starts no actor at all.
@@ -28,8 +28,8 @@ from typing import Sequence
 
 import numpy as np
 
-from pipeline.cache import cache_root
-from pipeline.errors import MissingDependencyError
+from pipeline.core.cache import cache_root
+from pipeline.core.errors import MissingDependencyError
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class MiniLMEncoder:
 
     def encode_ordered(self, texts: Sequence[str], progress: bool = False) -> np.ndarray:
         """Unit-norm embeddings of `texts` taken as they come, `batch_size` at a time (`encode` sorts them first)."""
-        from pipeline.progress import progress_bar
+        from pipeline.core.progress import progress_bar
 
         out = np.empty((len(texts), DIM), dtype=np.float32)
         old_threads = self.torch.get_num_threads()
@@ -157,7 +157,7 @@ class EmbedWorker:
 
 
 class PoolEncoder:
-    """`MiniLMEncoder.encode` on a pool of `EmbedWorker`s (`pipeline.pools.WorkerPool`): the texts sorted by length
+    """`MiniLMEncoder.encode` on a pool of `EmbedWorker`s (`pipeline.exec.pools.WorkerPool`): the texts sorted by length
     are cut into chunks of `CHUNK_TEXTS` (whole batches) and the chunks spread over the workers."""
 
     def __init__(self, pool, model_id: str):
@@ -165,7 +165,7 @@ class PoolEncoder:
         self._tokenizer = None
 
     def encode(self, texts: Sequence[str], progress: bool = False) -> np.ndarray:
-        from pipeline.progress import progress_bar
+        from pipeline.core.progress import progress_bar
 
         texts = list(texts)
         out = np.empty((len(texts), DIM), dtype=np.float32)

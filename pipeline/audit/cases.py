@@ -9,7 +9,7 @@ import numpy as np
 
 from pipeline.agents.base import AgentRequest
 from pipeline.io.records import Query
-from pipeline.retrieval import FrozenContext
+from pipeline.retrieval.frozen import FrozenContext
 
 
 @dataclass(frozen=True)

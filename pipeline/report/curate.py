@@ -12,9 +12,9 @@ from pathlib import Path
 import polars as pl
 import pyarrow as pa
 
+from pipeline.core.text import safe
 from pipeline.report.data import load_run, memory_texts
 from pipeline.store import writer
-from pipeline.text import safe
 
 CURATION = pa.schema(
     [

@@ -20,11 +20,11 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from pipeline.embeddings import EmbeddingCache, MiniLMEncoder, embed_cached
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
+from pipeline.core.text import tokens
 from pipeline.game.plan import MAX_PLAYERS
 from pipeline.io.records import Memory, Pool, Query
-from pipeline.text import tokens
+from pipeline.retrieval.embeddings import EmbeddingCache, MiniLMEncoder, embed_cached
 
 log = logging.getLogger(__name__)
 
@@ -193,10 +193,10 @@ def fuse_and_freeze(query: Query, memories: Sequence[Memory], bm25_scores: np.nd
 class Retriever:
     """Retrieves and freezes contexts for queries of the given pools.
 
-    Embeddings (memories and questions) go through the on-disk cache (`pipeline.embeddings`), so a rerun over an
+    Embeddings (memories and questions) go through the on-disk cache (`pipeline.retrieval.embeddings`), so a rerun over an
     unchanged pool embeds nothing. `cache_dir=None` uses `$MECLEAR_CACHE` (default ~/.cache/meclear); `cache=False`
     embeds without reading or writing the cache. `encoder`: a callable returning what embeds the texts the cache lacks
-    (e.g. a `pipeline.embeddings.PoolEncoder` over Ray actors), called the first time the cache lacks a text, so that
+    (e.g. a `pipeline.retrieval.embeddings.PoolEncoder` over Ray actors), called the first time the cache lacks a text, so that
     no actor starts when the cache is warm; default MiniLM in this process. `stats` says what was embedded and reused.
 
     `stream` is the audit's retrieval stage: pool by pool, it embeds that pool's new texts and yields its frozen

@@ -2,7 +2,7 @@
 
 `RunSettings` holds what the audit (`AuditConfig`, here) and the benchmark (`pipeline.bench.config.EvalConfig`) share:
 the retrieval budget and mode, the harm and screen tolerances, the seed, the agent and where it runs. Each default is
-written once, in the module that owns the setting (K and the dense modes in `pipeline.retrieval`, the permutation
+written once, in the module that owns the setting (K and the dense modes in `pipeline.retrieval.frozen`, the permutation
 budget in `pipeline.game.plan`), and the command line reads its defaults from these dataclasses (`field_default`).
 """
 
@@ -15,10 +15,16 @@ from typing import Any, Callable
 
 from pipeline.agents import AGENTS, AgentSpec
 from pipeline.agents.utility import UTILITY_MODES
+from pipeline.core.validation import check
 from pipeline.game.adaptive import DEFAULT_Z
-from pipeline.game.plan import ADAPTIVE_CAP, ADAPTIVE_PRIOR, ADAPTIVE_ROUND, DEFAULT_PERMUTATIONS, ESTIMATORS
-from pipeline.retrieval import DEFAULT_TOP_K, check_dense, check_top_k
-from pipeline.validation import check
+from pipeline.game.plan import (
+    ADAPTIVE_CAP,
+    ADAPTIVE_PRIOR,
+    ADAPTIVE_ROUND,
+    DEFAULT_PERMUTATIONS,
+    ESTIMATORS,
+)
+from pipeline.retrieval.frozen import DEFAULT_TOP_K, check_dense, check_top_k
 
 EXECUTORS = ("ray", "local")
 DEFAULT_TAU = 0.05  # harm tolerance: a memory is harmful when its Shapley value is below -tau
@@ -129,7 +135,7 @@ class RunSettings:
     agent_options: dict = field(default_factory=dict)
     executor: str = "ray"
     actors: int = 0  # 0: one per available CPU (reader) or per GPU (LLM agents with gpus_per_actor > 0)
-    gpus_per_actor: float = 0.0  # 0: for the vllm agent on a GPU cluster tensor_parallel_size (pipeline.gpu_settings)
+    gpus_per_actor: float = 0.0  # 0: for the vllm agent on a GPU cluster tensor_parallel_size (pipeline.exec.gpu)
 
     def check_run_settings(self, w: str, top_k_low: int = 1) -> None:
         check_integer(self.actors, w, "actors")

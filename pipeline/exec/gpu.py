@@ -1,7 +1,7 @@
 """GPU settings of an agent pool, decided and checked in the driver before any actor starts (issue 20).
 
 Pure functions of the agent's settings and what the cluster holds, so they are tested without Ray or a GPU; the Ray
-adapter (`pipeline.ray_exec.start_agent_pool`) calls `plan_gpus` with the cluster's GPU count.
+adapter (`pipeline.audit.actors.start_agent_pool`) calls `plan_gpus` with the cluster's GPU count.
 
 Why each rule: Ray gives an actor with num_gpus=0 an empty CUDA_VISIBLE_DEVICES, while vLLM still detects CUDA through
 NVML and its engine then fails to start; vLLM needs one visible GPU per tensor-parallel rank ("World size larger than
@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 
 # vLLM's default gpu_memory_utilization (VLLMConfig's too): the share of one GPU's memory an engine may take.
 FULL_GPU_MEMORY_UTILIZATION = 0.9

@@ -8,10 +8,10 @@ from __future__ import annotations
 import argparse
 import time
 
-from pipeline.errors import ConfigError
-from pipeline.retrieval import DENSE_MODES
-from pipeline.settings import field_default
-from pipeline.text import safe
+from pipeline.audit.settings import field_default
+from pipeline.core.errors import ConfigError
+from pipeline.core.text import safe
+from pipeline.retrieval.frozen import DENSE_MODES
 
 
 def _csv(value: str) -> list[str]:

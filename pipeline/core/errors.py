@@ -40,7 +40,7 @@ class AgentStartError(AgentError):
 class EngineDeadError(AgentError):
     """The agent's engine died (vLLM's EngineDeadError, CUDA out of memory, a CUDA fault): no later case can be answered
     by this agent, so this is not a case-level error. Inside a Ray actor the actor exits and Ray restarts it and retries
-    its task (`pipeline.evaluate.AgentWorker`); in process the run stops here and a rerun resumes it."""
+    its task (`pipeline.audit.worker.AgentWorker`); in process the run stops here and a rerun resumes it."""
 
     exit_code = 4
 
@@ -67,7 +67,7 @@ class ResourceError(MeClearError):
 # output folder (one line, nothing written), and a full disk (one line; the whole parts written stay, a rerun resumes);
 # 3 finished, but some cases failed for a data reason (see errors/); 4 the agent's engine died in process
 # (`--executor local`; rerun to resume); 130 interrupted (Ctrl-C); 143 SIGTERM, 129 SIGHUP (128 + the signal:
-# `pipeline.signals`); in every stopped case the agents are shut down and the lock released.
+# `pipeline.core.signals`); in every stopped case the agents are shut down and the lock released.
 EXIT_CASE_ERRORS = 3
 EXIT_DISK_FULL = 2
 EXIT_INTERRUPTED = 130

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from pipeline.cases import Case
+from pipeline.audit.cases import Case
 from pipeline.game import (
     GamePlan,
     clearance_coalitions,
@@ -19,7 +19,13 @@ from pipeline.game import (
 )
 from pipeline.game.adaptive import DEFAULT_Z
 from pipeline.game.clearance import Clearance
-from pipeline.game.estimators import SURROGATES, Estimator, EstimatorRun, get_estimator, split_budget
+from pipeline.game.estimators import (
+    SURROGATES,
+    Estimator,
+    EstimatorRun,
+    get_estimator,
+    split_budget,
+)
 from pipeline.game.plan import loo_coalitions, sampled_touch_bound
 from pipeline.game.sparse import SparseTable
 
@@ -30,7 +36,7 @@ ValueTable = np.ndarray | SparseTable
 @dataclass
 class CaseState:
     """What is known about one case while its coalitions are evaluated (in the worker that runs it,
-    `pipeline.evaluate.run_cases`). The Shapley estimate comes from the estimator contract
+    `pipeline.audit.worker.run_cases`). The Shapley estimate comes from the estimator contract
     (`pipeline.game.estimators`) in its ask/tell form: the worker batches every case's asks into one agent call."""
 
     case: Case
@@ -181,7 +187,7 @@ def no_clearance_reason(result: Clearance, harmful: int) -> str | None:
 @dataclass(frozen=True)
 class ClearanceRow:
     """One query's clearance decision, typed until the writer makes it a row of `clearances/` (`as_row`). Fields in
-    the order of `pipeline.schemas.CLEARANCES`, whose comments say what each holds; a test keeps the two in step."""
+    the order of `pipeline.store.schemas.CLEARANCES`, whose comments say what each holds; a test keeps the two in step."""
 
     run_id: str
     pool_id: str

@@ -1,8 +1,9 @@
 """The one module that knows Ray: a generic actor pool (`RayPool`) and one context manager that starts or joins Ray.
 
-The audit's agents (`start_agent_pool`: `pipeline.evaluate.AgentWorker` actors) and the benchmark's workers
-(`pipeline.bench.run.BenchWorker`) are both `RayPool`s, with the `pipeline.pools.WorkerPool` contract that
-`pipeline.pools.LocalPool` also has. Each actor builds its worker once (an LLM engine is started once per actor).
+It imports no audit code: what runs in the actors is the caller's. The audit's agents (`pipeline.audit.actors.
+start_agent_pool`: `pipeline.audit.worker.AgentWorker` actors) and the benchmark's workers
+(`pipeline.bench.run.BenchWorker`) are both `RayPool`s, with the `pipeline.exec.pools.WorkerPool` contract that
+`pipeline.exec.pools.LocalPool` also has. Each actor builds its worker once (an LLM engine is started once per actor).
 `cluster_session()` joins the cluster named by RAY_ADDRESS (set by `ray job submit`) and otherwise starts a local,
 embedded Ray that it shuts down again.
 """
@@ -15,12 +16,9 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Mapping, Sequence
 
-from pipeline import signals
-from pipeline.agents import AgentSpec
-from pipeline.errors import ConfigError, ResourceError
-from pipeline.evaluate import AgentWorker, agent_fingerprint
-from pipeline.gpu_settings import GpuPlan, cuda_vllm_installed, plan_gpus
-from pipeline.pools import map_calls
+from pipeline.core import signals
+from pipeline.core.errors import ResourceError
+from pipeline.exec.pools import map_calls
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +30,6 @@ FORWARDED_ENV_PREFIXES = ("VLLM_", "HF_", "TORCHINDUCTOR_", "TRANSFORMERS_", "TO
 # Never forwarded: a runtime env is visible in Ray's dashboard and state API. Credentials reach a cluster through its
 # own secret handling, not through this convenience.
 _SECRET_MARKERS = ("TOKEN", "SECRET", "PASSWORD", "KEY")
-# Agents whose answer_batch is thread-safe and leaves the GIL free while their engine works in another process (vLLM):
-# their actor runs up to `max_inflight` tasks at once, so it builds the next batch's prompts while the engine runs the
-# current one (measured with jobs/bench_agents.py: tokenisation was ~20% of the pipeline's time on the tiny model).
-# The other agents compute in the calling thread, where a second thread would only contend.
-CONCURRENT_AGENTS = frozenset({"vllm"})
 
 
 def agent_runtime_env(environ: Mapping[str, str] | None = None) -> dict | None:
@@ -51,30 +44,11 @@ def agent_runtime_env(environ: Mapping[str, str] | None = None) -> dict | None:
     return {"env_vars": env} if env else None
 
 
-def pool_size(agent: str, actors: int, cpus_per_actor: float, gpus_per_actor: float, reserve_cpus: float = 0.0) -> int:
-    """How many agent actors to start. `actors=0` sizes the pool: one per free GPU (gpus_per_actor > 0), one LLM
-    engine on a CPU-only pool (it already uses every core; a second would only contend), one reader per free CPU
-    (less `reserve_cpus`: the embedding actors')."""
-    import ray
-
-    if actors:
-        return actors
-    res = ray.available_resources()
-    if gpus_per_actor > 0:
-        n = int(res.get("GPU", 0) // gpus_per_actor)
-        if n == 0:
-            raise ConfigError(f"ray executor: gpus_per_actor={gpus_per_actor} but the cluster has no free GPU")
-        return n
-    if agent != "reader":
-        return 1
-    return max(1, int((res.get("CPU", 1) - reserve_cpus) // max(cpus_per_actor, 1e-9)))
-
-
 # Fault tolerance for system failures (a node lost, an actor process killed): Ray restarts a dead agent actor (its
 # __init__ rebuilds the agent) up to MAX_RESTARTS times and retries its unfinished tasks up to MAX_TASK_RETRIES times.
 # Tasks are idempotent (a coalition's utility depends on its key only), so a retried task cannot change a result.
-# Data failures (an agent error on one case, a NaN utility) are not retried: they go to errors/ (pipeline.driver).
-# An engine that dies (CUDA OOM, vLLM EngineDeadError) makes its actor exit (`pipeline.evaluate.AgentWorker`), which
+# Data failures (an agent error on one case, a NaN utility) are not retried: they go to errors/ (pipeline.audit.driver).
+# An engine that dies (CUDA OOM, vLLM EngineDeadError) makes its actor exit (`pipeline.audit.worker.AgentWorker`), which
 # Ray handles as the system failure it is.
 MAX_RESTARTS = 3
 MAX_TASK_RETRIES = 3
@@ -133,7 +107,7 @@ def check_resources(n: int, cpus_per_actor: float, gpus_per_actor: float, reserv
 
 
 class RayPool:
-    """`size` Ray actors, each running one `worker_cls(*args)`, with the `pipeline.pools.WorkerPool` contract.
+    """`size` Ray actors, each running one `worker_cls(*args)`, with the `pipeline.exec.pools.WorkerPool` contract.
 
     `concurrent`: the worker's methods are thread-safe and leave the GIL free (see CONCURRENT_AGENTS), so an actor runs
     up to `max_inflight` calls at once; otherwise its calls queue and run one by one.
@@ -217,71 +191,15 @@ def wait_for_gpus(bundles: list[dict], timeout_s: float = GPU_WAIT_S, *, cluster
     return have
 
 
-def plan_pool_gpus(spec: AgentSpec, actors: int, cpus_per_actor: float, gpus_per_actor: float,
-                   gpu_wait_s: float = GPU_WAIT_S) -> GpuPlan:
-    """The pool's GPU settings (`pipeline.gpu_settings.plan_gpus`) against this cluster, in the driver before any actor
-    starts; a GPU request on a cluster with no GPU yet waits for its autoscaler (`wait_for_gpus`)."""
+def available_resources() -> dict[str, float]:
+    """The cluster's free resources now (callers above this module never import Ray themselves)."""
     import ray
 
-    have = ray.cluster_resources().get("GPU", 0.0)
-    plan = plan_gpus(spec.name, spec.options, gpus_per_actor, have,
-                     expect_gpus=spec.name == "vllm" and cuda_vllm_installed())
-    if plan.note:
-        log.warning(plan.note)
-    if plan.gpus_per_actor > 0 and have < plan.gpus_per_actor * max(actors, 1) - 1e-9:
-        bundle = {"GPU": plan.gpus_per_actor, "CPU": cpus_per_actor}
-        wait_for_gpus([bundle] * max(actors, 1), gpu_wait_s)
-    return plan
+    return ray.available_resources()
 
 
-def start_agent_pool(spec: AgentSpec, actors: int = 0, cpus_per_actor: float = 1.0, gpus_per_actor: float = 0.0,
-                     max_inflight: int = 2, startup_timeout_s: float = 1800.0,
-                     pool_cls: type[RayPool] = RayPool, reserve_cpus: float = 0.0,
-                     gpu_wait_s: float = GPU_WAIT_S) -> tuple[RayPool, str]:
-    """A pool of agent actors (`AgentWorker`s), sized by `pool_size`, started and checked: returns (pool, the agents'
-    fingerprint). GPU settings are checked and defaulted first (`plan_pool_gpus`). The driver keeps `max_inflight`
-    tasks in flight per actor so engines stay busy. `reserve_cpus`: CPUs left free for the embedding actors
-    (`start_embed_pool`)."""
-    plan = plan_pool_gpus(spec, actors, cpus_per_actor, gpus_per_actor, gpu_wait_s)
-    spec, gpus_per_actor = AgentSpec(spec.name, plan.agent_options), plan.gpus_per_actor
-    actors = pool_size(spec.name, actors, cpus_per_actor, gpus_per_actor, reserve_cpus)
-    check_resources(actors, cpus_per_actor, gpus_per_actor, reserve_cpus)
+def cluster_resources() -> dict[str, float]:
+    """The cluster's total resources."""
     import ray
 
-    free = ray.available_resources().get("CPU", 0.0)
-    if actors * cpus_per_actor > free + 1e-9:
-        log.warning("waiting for %g free CPUs for %d agent actors (%g free now; timeout %.0f s)",
-                    actors * cpus_per_actor, actors, free, startup_timeout_s)
-    pool = pool_cls(AgentWorker, (spec, None, True), actors, cpus_per_actor=cpus_per_actor,  # True: exit on engine death
-                    gpus_per_actor=gpus_per_actor, max_inflight=max_inflight,
-                    concurrent=spec.name in CONCURRENT_AGENTS)
-    try:  # also waits for every agent to be built
-        fingerprint = agent_fingerprint(pool.call_all("fingerprint", timeout_s=startup_timeout_s))
-    except TimeoutError:
-        pool.close()
-        raise ResourceError(f"ray executor: {actors} agent actors not started within {startup_timeout_s:.0f} s "
-                            "(resources busy or engines slow to build)") from None
-    except BaseException:
-        pool.close()
-        raise
-    log.info("actor pool: %d x %s", pool.n_workers, fingerprint)
-    return pool, fingerprint
-
-
-# CPUs per embedding actor: MiniLM's torch loop on one core (Ray sets the actor's OMP_NUM_THREADS to match).
-EMBED_CPUS = 1.0
-
-
-def start_embed_pool(n: int):
-    """`n` embedding actors (`pipeline.embeddings.EmbedWorker`, EMBED_CPUS each) behind a `PoolEncoder`. Started by
-    the retrieval stage the first time the embedding cache lacks a text, so a warm night starts none."""
-    from pipeline.embeddings import EmbedWorker, PoolEncoder
-
-    pool = RayPool(EmbedWorker, (), n, cpus_per_actor=EMBED_CPUS, max_inflight=2)
-    try:
-        model_ids = set(pool.call_all("model_id"))
-    except BaseException:
-        pool.close()
-        raise
-    log.info("embedding pool: %d actors x %s", n, model_ids)
-    return PoolEncoder(pool, model_ids.pop())
+    return ray.cluster_resources()

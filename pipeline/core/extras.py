@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Iterable
 
-from pipeline.errors import MissingDependencyError
+from pipeline.core.errors import MissingDependencyError
 
 
 def _installed(module: str) -> bool:

@@ -4,7 +4,7 @@ A pool holds `n_workers` copies of a worker object, each built once (an agent, a
 methods by name. `submit` sends a call to a chosen worker and `next_done` collects whichever finished first: the
 audit's scheduler picks workers itself, so a case's second pass reaches the worker whose prefix cache holds it. `map`
 runs a method over items with every worker kept busy (the benchmark). `call_all` calls every worker once (its
-fingerprint, a cache reset). `LocalPool` holds one worker in this process; `pipeline.ray_exec.RayPool` Ray actors.
+fingerprint, a cache reset). `LocalPool` holds one worker in this process; `pipeline.exec.ray_pool.RayPool` Ray actors.
 """
 
 from __future__ import annotations

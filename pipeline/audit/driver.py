@@ -1,8 +1,8 @@
 """The audit's driver: frozen contexts -> coalition evaluations (streamed) -> attributions, interactions, clearances.
 
 `run_audit` plans cases lazily, a bounded window of them in flight (`case_window`), and routes whole cases to a pool
-of agents (`pipeline.pools`: in process or Ray actors) through the `Scheduler`. Each worker runs its cases to the end
-(`pipeline.evaluate.run_cases`: first passes batched, then the later passes, then the reduction) and returns their
+of agents (`pipeline.exec.pools`: in process or Ray actors) through the `Scheduler`. Each worker runs its cases to the end
+(`pipeline.audit.worker.run_cases`: first passes batched, then the later passes, then the reduction) and returns their
 rows as Arrow tables; the driver streams them (contexts, utilities, attributions, interactions, clearances) to part
 files named by the run attempt: driver memory is the window, not the pool.
 When the run finishes, every other run's (and crashed attempt's) reduction parts are dropped, so each reduction
@@ -23,26 +23,24 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from pipeline.cases import Case, case_seed
-from pipeline.evaluate import CasesDone, CaseSettings, CaseTask
+from pipeline.audit.cases import Case, case_seed
+from pipeline.audit.reduce import ClearanceRow, ClearanceSummary
+from pipeline.audit.settings import AuditConfig
+from pipeline.audit.worker import CasesDone, CaseSettings, CaseTask
+from pipeline.core.provenance import sha256_file, versions
+from pipeline.core.validation import fingerprint
+from pipeline.exec.pools import WorkerPool
+from pipeline.exec.prefetch import Prefetch
 from pipeline.game import make_plan
-from pipeline.store import writer
-from pipeline.store.lock import OutLock
-from pipeline.store.outdir import DATASET_NAMES, check_out
 from pipeline.io.records import Pool, Query
+from pipeline.retrieval.frozen import FrozenContext, Retriever
 from pipeline.store import manifest as manifests
-from pipeline.store import parts
+from pipeline.store import parts, writer
+from pipeline.store.lock import OutLock
 from pipeline.store.manifest import Manifest
+from pipeline.store.outdir import DATASET_NAMES, check_out
 from pipeline.store.reuse import PoolReuse, ReuseImport
-from pipeline.pools import WorkerPool
-from pipeline.provenance import sha256_file, versions
-from pipeline.prefetch import Prefetch
-from pipeline.reduce import ClearanceRow, ClearanceSummary
-from pipeline.retrieval import FrozenContext, Retriever
-from pipeline.schemas import DATASETS, UTILITIES, UTILITY_KEY
-from pipeline.settings import AuditConfig
-from pipeline.validation import fingerprint
-
+from pipeline.store.schemas import DATASETS, UTILITIES, UTILITY_KEY
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +160,7 @@ class _Evaluation:
     def __init__(self, feed: Prefetch, total: int, config: AuditConfig, run_id: str, agents: WorkerPool,
                  agent_fp: str, utilities: writer.PartWriter, reductions: ReductionWriters, progress: bool,
                  previous: PoolReuse, imports: ReuseImport | None = None, window: int | None = None):
-        from pipeline.progress import progress_bar
+        from pipeline.core.progress import progress_bar
 
         self.feed, self.config, self.run_id, self.agent_fp, self.utilities = feed, config, run_id, agent_fp, utilities
         self.reductions, self.previous, self.imports = reductions, previous, imports
@@ -315,14 +313,14 @@ def run_audit(
     window: int | None = None,
     encoder: Callable[[], object] | None = None,
 ) -> AuditResult:
-    """Run an audit on an already-started pool of `pipeline.evaluate.AgentWorker`s. Inputs must be validated (the
+    """Run an audit on an already-started pool of `pipeline.audit.worker.AgentWorker`s. Inputs must be validated (the
     loaders do that).
 
-    `lock`: the output folder's lock when the caller already holds it (`pipeline.audit.audit` takes it before
+    `lock`: the output folder's lock when the caller already holds it (`pipeline.audit.run.audit` takes it before
     starting agents); otherwise the folder is checked and locked here. `reuse`: earlier run folders whose utilities
     are reused by key. `window`: most cases in flight at once (default `case_window`: enough to keep every worker
     busy). `encoder`: starts what embeds texts the embedding cache lacks, called only when one is missing
-    (`pipeline.retrieval.Retriever`); default MiniLM in this process.
+    (`pipeline.retrieval.frozen.Retriever`); default MiniLM in this process.
     """
     out = Path(out)
     if lock is None:

@@ -1,5 +1,5 @@
-"""docs/cli.md, rendered from the argparse parser (`pipeline.cli.build_parser`), so the CLI reference cannot drift
-from the code: `python -m pipeline.clidoc > docs/cli.md`. tests/test_docs.py regenerates it and compares.
+"""docs/cli.md, rendered from the argparse parser (`pipeline.cli.main.build_parser`), so the CLI reference cannot drift
+from the code: `python -m pipeline.cli.clidoc > docs/cli.md`. tests/test_docs.py regenerates it and compares.
 
 The rendering uses a fixed width and no terminal size, so the file is the same on every machine."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 WIDTH = 100  # the usage block's line width; fixed so the output does not depend on $COLUMNS
-REGENERATE = "python -m pipeline.clidoc > docs/cli.md"
+REGENERATE = "python -m pipeline.cli.clidoc > docs/cli.md"
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, tuple[argparse.ArgumentParser, str]]:
@@ -64,12 +64,12 @@ def _section(parser: argparse.ArgumentParser, title: str, summary: str = "") -> 
 
 def render() -> str:
     """The whole docs/cli.md: the top-level parser, then every subcommand in the parser's order."""
-    from pipeline.cli import build_parser
+    from pipeline.cli.main import build_parser
 
     parser = build_parser()
     subs = _subparsers(parser)
     out = ["# The `meclear` command line", "",
-           f"Generated from `pipeline.cli.build_parser` by `{REGENERATE}`; do not edit by hand "
+           f"Generated from `pipeline.cli.main.build_parser` by `{REGENERATE}`; do not edit by hand "
            "(`tests/test_docs.py` fails when this file is out of date).", "",
            "Subcommands: " + ", ".join(f"[`meclear {name}`](#meclear-{name})" for name in subs) + ".", ""]
     out += _section(parser, "meclear")

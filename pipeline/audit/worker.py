@@ -4,7 +4,7 @@ Runs wherever the agent lives (in process or inside a Ray actor) and does not kn
 (token-F1 for open answers) and the binary outcome at once, so an `ItemResult` carries both (`ItemResult.utility`
 picks the mode). `run_cases` takes a batch of whole cases and runs each to its end in the worker: every case's first
 pass in one agent call (LLM batching kept), then the later passes (adaptive rounds, the clearance's second pass) of
-those that need one, again in one call each round, then the reduction (`pipeline.reduce`). It returns the rows as
+those that need one, again in one call each round, then the reduction (`pipeline.audit.reduce`). It returns the rows as
 Arrow tables, so the driver only routes cases and writes (issue 9: the driver's ray.get, recording and `finalize`
 capped throughput however many actors were added).
 """
@@ -17,20 +17,30 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-
 import pyarrow as pa
 
 from pipeline.agents import AgentSpec, build_agent
 from pipeline.agents.base import Agent
 from pipeline.agents.utility import in_mode, outcome
-from pipeline.cases import Case
-from pipeline.errors import AgentStartError, ConfigError, EngineDeadError, MeClearError
+from pipeline.audit.cases import Case
+from pipeline.audit.reduce import CaseState, ClearanceRow, advance, finalize
+from pipeline.core.errors import (
+    AgentStartError,
+    ConfigError,
+    EngineDeadError,
+    MeClearError,
+)
+from pipeline.core.text import gold_index
 from pipeline.game import GamePlan
 from pipeline.game.plan import popcount
+from pipeline.store.schemas import (
+    ATTRIBUTIONS,
+    CLEARANCES,
+    CONTEXTS,
+    INTERACTIONS,
+    UTILITIES,
+)
 from pipeline.store.writer import rows_to_table
-from pipeline.reduce import CaseState, ClearanceRow, advance, finalize
-from pipeline.schemas import ATTRIBUTIONS, CLEARANCES, CONTEXTS, INTERACTIONS, UTILITIES
-from pipeline.text import gold_index
 
 log = logging.getLogger(__name__)
 
@@ -382,7 +392,7 @@ class AgentWorker:
     """The worker of the audit's pools (in process or a Ray actor): builds its agent once and runs batches of whole
     cases (`run_cases`). A build failure is kept as one line and its exit code and returned by `fingerprint`, so the driver
     reports it as such (`agent_fingerprint`) instead of an actor traceback. `agent`: an already built agent (tests).
-    `exit_on_engine_death`: set for Ray actors (`pipeline.ray_exec.start_agent_pool`): when the engine dies the process
+    `exit_on_engine_death`: set for Ray actors (`pipeline.audit.actors.start_agent_pool`): when the engine dies the process
     exits, which Ray treats as an actor failure (restart, then the task retried); an exception would only fail the
     task, and the actor would stay up with a dead engine."""
 
@@ -409,7 +419,7 @@ class AgentWorker:
         except EngineDeadError as exc:
             if not self.exit_on_engine_death:
                 raise
-            # Engine processes are killed by the reaper's watcher once this process is gone (pipeline.reaper).
+            # Engine processes are killed by the reaper's watcher once this process is gone (pipeline.core.reaper).
             log.error("%s; leaving the actor so that Ray restarts it and retries its task", exc)
             logging.shutdown()
             os._exit(EXIT_ENGINE_DEAD)

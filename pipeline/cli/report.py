@@ -6,10 +6,10 @@ import argparse
 import time
 from pathlib import Path
 
-from pipeline.errors import InputError
+from pipeline.core.errors import InputError
+from pipeline.core.text import safe
 from pipeline.store import writer
 from pipeline.store.outdir import REPORT, check_file_out
-from pipeline.text import safe
 
 
 def add_parsers(sub) -> None:
@@ -59,7 +59,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_curate(args: argparse.Namespace) -> int:
-    from pipeline.curate import curate, print_table, write_curation
+    from pipeline.report.curate import curate, print_table, write_curation
 
     for p in args.run_dirs:
         from pipeline.report.data import is_run

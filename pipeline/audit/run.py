@@ -2,7 +2,7 @@
 
 `audit` is what the CLI and the Ray jobs call: inputs, the agent's options and the output folder are all checked, and
 the folder locked, before any agent starts or anything is written, so a bad input writes nothing and a second run into
-a locked folder fails at once. The driver itself (`run_audit`) lives in `pipeline.driver`; `AuditConfig` holds every
+a locked folder fails at once. The driver itself (`run_audit`) lives in `pipeline.audit.driver`; `AuditConfig` holds every
 setting of an audit, `InputSpec` says where the memories and queries come from, `load_job_config` reads a job's YAML.
 """
 
@@ -18,18 +18,18 @@ from pathlib import Path
 from typing import Iterator
 
 from pipeline.agents import AgentSpec, checked_spec
-from pipeline.driver import AuditResult, run_audit
-from pipeline.errors import ConfigError, OutputError
-from pipeline.evaluate import AgentWorker, agent_fingerprint
-from pipeline.extras import require_audit
+from pipeline.audit.driver import AuditResult, run_audit
+from pipeline.audit.settings import AuditConfig
+from pipeline.audit.worker import AgentWorker, agent_fingerprint
+from pipeline.core.errors import ConfigError, OutputError
+from pipeline.core.extras import require_audit
+from pipeline.core.validation import check, from_mapping
+from pipeline.exec.pools import LocalPool, WorkerPool
 from pipeline.io.loaders import input_files, load_pools, load_queries
 from pipeline.io.locomo import load_locomo
+from pipeline.io.records import MAX_MEMORY_CHARS, MAX_OPTIONS, Pool, Query
 from pipeline.store.lock import OutLock
 from pipeline.store.outdir import check_out
-from pipeline.io.records import MAX_MEMORY_CHARS, MAX_OPTIONS, Pool, Query
-from pipeline.pools import LocalPool, WorkerPool
-from pipeline.settings import AuditConfig
-from pipeline.validation import check, from_mapping
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,8 @@ def agents_running(config: AuditConfig, spec: AgentSpec) -> Iterator[tuple[Worke
         finally:
             pool.close()
         return
-    from pipeline.ray_exec import EMBED_CPUS, cluster_session, start_agent_pool
+    from pipeline.audit.actors import EMBED_CPUS, start_agent_pool
+    from pipeline.exec.ray_pool import cluster_session
 
     with cluster_session():
         pool, fp = start_agent_pool(spec, config.actors, config.cpus_per_actor, config.gpus_per_actor,
@@ -127,7 +128,7 @@ def _embed_actors(config: AuditConfig):
     """What starts the embedding actors (`--embed-actors N`, Ray only) when the cache first lacks a text, or None."""
     if config.executor != "ray" or not config.embed_actors:
         return None
-    from pipeline.ray_exec import start_embed_pool
+    from pipeline.audit.actors import start_embed_pool
 
     return lambda: start_embed_pool(config.embed_actors)
 
@@ -135,7 +136,7 @@ def _embed_actors(config: AuditConfig):
 def audit(inputs: InputSpec, config: AuditConfig, out: str | Path, progress: bool = True,
           reuse: list[str] | tuple[str, ...] = ()) -> AuditResult:
     """Load and validate inputs and the agent's options, check and lock `out`, start agents, run the audit (the
-    driver, `pipeline.driver.run_audit`), stop agents (also on Ctrl-C), release the lock."""
+    driver, `pipeline.audit.driver.run_audit`), stop agents (also on Ctrl-C), release the lock."""
     pools, queries, files = inputs.load()
     log.info("loaded %d pools, %d queries", len(pools), len(queries))
     spec = checked_spec(config.agent, config.agent_options)  # one line, before Ray or an engine starts

@@ -63,7 +63,7 @@ def handled() -> Iterator[None]:
 
 def stopped_line(prog: str, exc: KeyboardInterrupt) -> tuple[str, int]:
     """(the one line a command prints when stopped by a signal, its exit code): 130 for Ctrl-C, 128 + n otherwise."""
-    from pipeline.errors import EXIT_INTERRUPTED
+    from pipeline.core.errors import EXIT_INTERRUPTED
 
     # Ray's `ray.get` re-raises whatever interrupted its wait as a plain KeyboardInterrupt: the signal is read back from
     # what the handler recorded, not only from the exception's type.

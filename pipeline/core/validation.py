@@ -8,8 +8,8 @@ import json
 import math
 from typing import Any, Mapping, TypeVar
 
-from pipeline.errors import ConfigError
-from pipeline.text import safe
+from pipeline.core.errors import ConfigError
+from pipeline.core.text import safe
 
 T = TypeVar("T")
 

@@ -1,0 +1,1 @@
+"""The `meclear` command line."""

@@ -1,0 +1,6 @@
+"""`python -m pipeline.cli`."""
+
+from pipeline.cli.main import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())

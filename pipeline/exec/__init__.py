@@ -1,0 +1,1 @@
+"""Worker pools: the pool contract, in process and on Ray (generic: no audit code), and the prefetch thread."""
