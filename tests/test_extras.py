@@ -17,13 +17,16 @@ import json
 import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("MECLEAR_VENV_CACHE", Path.home() / ".cache" / "meclear-ci"))
-KEY = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()[:16]
+# keyed by the project table only (dependencies and extras), so tool settings (ruff, pytest) keep the cache
+KEY = hashlib.sha256(json.dumps(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"], sort_keys=True)
+                     .encode()).hexdigest()[:16]
 # A CPU machine's torch: the extras leave torch's version open (vLLM pins its own); this constraint keeps the CPU build.
 CPU_TORCH = "torch==2.13.0\n"
 
