@@ -19,7 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-FIELDS = ("retrieval_s", "retrieval_embed_s", "retrieval_texts_embedded", "first_case_s", "evaluate_s", "write_s", "total_s")
+FIELDS = ("retrieval_s", "retrieval_embed_s", "retrieval_texts_embedded", "first_case_s", "evaluate_s", "write_s",
+          "total_s")
 
 
 def _size(folder: Path) -> int:

@@ -1,7 +1,7 @@
 """Ray job entry point for the FI-LoCoMo benchmark. No logic here: arguments or a YAML config -> the library.
 
     ray job submit --working-dir . -- python jobs/fi_locomo.py --locomo /data/locomo10.json --out /results/fi
-    python jobs/fi_locomo.py --config fi.yaml --out /results/fi      # keys: the fields of pipeline.bench.config.EvalConfig
+    python jobs/fi_locomo.py --config fi.yaml --out /results/fi  # keys: the fields of pipeline.bench.config.EvalConfig
 
 With --config, the YAML holds EvalConfig fields (locomo, conversations, max_cases, methods, utility, budgets,
 eval_budgets, seed,

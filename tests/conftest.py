@@ -12,10 +12,12 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # Ray 2.60 otherwise writes an auth token under $HOME
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Embeddings are cached on disk (pipeline.retrieval.embeddings); tests share one private cache per session, never ~/.cache.
+# Embeddings are cached on disk (pipeline.retrieval.embeddings); tests share one private cache per session, never
+# ~/.cache.
 os.environ.setdefault("MECLEAR_CACHE", tempfile.mkdtemp(prefix="meclear-test-cache-"))
 # Set at collection, before any test starts Ray: Ray workers inherit the environment Ray starts with, and engines built
-# by actors that do not forward the driver's engine variables (see pipeline.exec.ray_pool.agent_runtime_env) still need them.
+# by actors that do not forward the driver's engine variables (see pipeline.exec.ray_pool.agent_runtime_env) still need
+# them.
 for _key, _value in engine_env_defaults().items():
     os.environ.setdefault(_key, _value)
 

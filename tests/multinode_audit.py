@@ -6,8 +6,8 @@ the test session's Ray. RAY_TMPDIR is set by the caller to a private folder, so 
 file stay out of /tmp/ray, where other clusters on the machine live.
 
 Actor 0 is placed on the head and actor 1 on the worker node, each by a soft node affinity: soft, so that when the
-worker node is gone Ray restarts actor 1 (`max_restarts`, pipeline.exec.ray_pool) on the head, where one CPU is free, and
-retries its unfinished tasks (`max_task_retries`). The worker node is removed (its raylet and workers killed) after
+worker node is gone Ray restarts actor 1 (`max_restarts`, pipeline.exec.ray_pool) on the head, where one CPU is free,
+and retries its unfinished tasks (`max_task_retries`). The worker node is removed (its raylet and workers killed) after
 actor 1 has returned a task and while it still has tasks in flight. The facts the test checks are written to REPORT.
 """
 

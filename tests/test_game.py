@@ -85,8 +85,10 @@ def test_permutation_estimator_unbiased_within_its_standard_error():
     v = np.random.default_rng(3).random(1 << k)
     exact = shapley_exact(v)
     seeds, L = 200, 8
-    means = np.array([shapley_permutation(v, make_plan(k, L, "permutation", seed=s).permutations)[0] for s in range(seeds)])
-    se_single = np.array([shapley_permutation(v, make_plan(k, L, "permutation", seed=s).permutations)[1] for s in range(seeds)])
+    means = np.array([shapley_permutation(v, make_plan(k, L, "permutation", seed=s).permutations)[0]
+                      for s in range(seeds)])
+    se_single = np.array([shapley_permutation(v, make_plan(k, L, "permutation", seed=s).permutations)[1]
+                          for s in range(seeds)])
     grand = means.mean(axis=0)
     se_grand = np.sqrt((se_single**2).mean(axis=0) / seeds)  # SE of a mean of independent estimates
     assert np.all(np.abs(grand - exact) <= 4 * se_grand)
@@ -97,7 +99,8 @@ def test_antithetic_pairs_are_reversals_and_unbiased():
     plan = make_plan(k, 8, "permutation", antithetic=True, seed=1)
     np.testing.assert_array_equal(plan.permutations[1], plan.permutations[0][::-1])
     v = np.random.default_rng(0).random(1 << k)
-    est = np.mean([shapley_permutation(v, make_plan(k, 8, "permutation", True, s).permutations, True)[0] for s in range(300)], axis=0)
+    est = np.mean([shapley_permutation(v, make_plan(k, 8, "permutation", True, s).permutations, True)[0]
+                   for s in range(300)], axis=0)
     np.testing.assert_allclose(est, shapley_exact(v), atol=0.03)
     with pytest.raises(ConfigError, match="even"):
         make_plan(k, 7, "permutation", antithetic=True)

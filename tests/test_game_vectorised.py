@@ -73,7 +73,8 @@ def test_popcount_equals_loop():
     got = popcount(masks)
     assert got.dtype == np.int64
     np.testing.assert_array_equal(got, popcount_loop(masks))
-    np.testing.assert_array_equal(popcount(np.arange(1 << 10).reshape(32, 32)), popcount_loop(np.arange(1 << 10).reshape(32, 32)))
+    np.testing.assert_array_equal(popcount(np.arange(1 << 10).reshape(32, 32)),
+                                  popcount_loop(np.arange(1 << 10).reshape(32, 32)))
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 5, 8, 10])

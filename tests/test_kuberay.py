@@ -51,7 +51,8 @@ def test_entrypoint_is_the_ray_job_submit_script_and_its_config_loads(tmp_path):
     job, cm = _rayjob()
     argv = shlex.split(job["spec"]["entrypoint"])
     assert argv[:2] == ["python", "jobs/nightly_audit.py"]
-    assert "python jobs/nightly_audit.py" in (REPO / "jobs" / "nightly_audit.py").read_text()  # its `ray job submit` line
+    # its `ray job submit` line
+    assert "python jobs/nightly_audit.py" in (REPO / "jobs" / "nightly_audit.py").read_text()
     assert (REPO / argv[1]).exists()
     cfg_path = argv[argv.index("--config") + 1]
     mounts = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["volumeMounts"]

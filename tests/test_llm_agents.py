@@ -235,7 +235,7 @@ _PIECES = ("<", ">", "&", "\n", " ", "  ", "\t", ".", ":", "memory", "</memory>"
            "Answer: B", "\u00a0", "user", "Paris", "2019", "'s", "\n\n", "&lt;", "id=")
 
 
-def _tokenizer(tiny_model: str, variant: str) -> Any:
+def _tokenizer(tiny_model: str, variant: str) -> Any:  # noqa: F811 (a path parameter named like the fixture)
     from transformers import AutoTokenizer
 
     if variant == "llama3-regex":
@@ -271,7 +271,8 @@ def _llama3_style_tokenizer() -> Any:
     tok.train_from_iterator(corpus, trainer=trainers.BpeTrainer(
         vocab_size=600, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False))
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                       special_tokens=[("<s>", tok.token_to_id("<s>"))])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     assert len(fast(">\n\n", add_special_tokens=False)["input_ids"]) == 1  # the merge that defeats "\n" first
     return fast
@@ -323,8 +324,8 @@ class _DummyPrefix:
 
 
 @pytest.mark.parametrize("quirk_from_start", [True, False])
-def test_pieces_that_do_not_concatenate_fall_back_to_full_tokenisation(tiny_model, caplog,
-                                                                        quirk_from_start) -> None:  # noqa: F811
+def test_pieces_that_do_not_concatenate_fall_back_to_full_tokenisation(tiny_model, caplog,  # noqa: F811 (fixture)
+                                                                        quirk_from_start) -> None:
     tok = _DummyPrefix(_tokenizer(tiny_model, "plain"), active=quirk_from_start)
     builder = prompts.PromptBuilder(tok, max_options=4)
     rng = random.Random(7)

@@ -1,5 +1,5 @@
-"""Worker pools (pipeline.exec.pools): `map` keeps every worker at its in-flight limit and honours pins; both utilities come
-back from one evaluation; the throughput benchmark's recording pool sees exactly the agent calls the workers make;
+"""Worker pools (pipeline.exec.pools): `map` keeps every worker at its in-flight limit and honours pins; both utilities
+come back from one evaluation; the throughput benchmark's recording pool sees exactly the agent calls the workers make;
 the scheduler sends whole cases; a worker runs a batch of cases to their rows."""
 
 from __future__ import annotations

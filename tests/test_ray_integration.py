@@ -44,8 +44,8 @@ def test_planted_redundant_copies_flagged_harmful_while_loo_misses_them(sample_r
     att = pl.scan_parquet(sample_run / "attributions").collect()
     rows = att.filter(pl.col("memory_id").is_in(list(planted)))
     rows = rows.filter(
-        pl.struct(["memory_id", "query_id"]).map_elements(lambda s: planted[s["memory_id"]]["query_id"] == s["query_id"],
-                                                         return_dtype=pl.Boolean)
+        pl.struct(["memory_id", "query_id"]).map_elements(
+            lambda s: planted[s["memory_id"]]["query_id"] == s["query_id"], return_dtype=pl.Boolean)
     )
     assert rows.height == len(planted)  # every planted copy was retrieved for its query
     assert rows["harmful"].all()  # Shapley sees the shared harm

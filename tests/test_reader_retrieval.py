@@ -18,7 +18,8 @@ from pipeline.retrieval.frozen import BM25, Retriever, context_hash
 
 
 def ask(memories, options=("green tea", "black coffee", "orange juice")):
-    return ReaderAgent().answer_batch([AgentRequest("c", "What is Ben's favorite drink?", tuple(options), tuple(memories))])[0]
+    return ReaderAgent().answer_batch(
+        [AgentRequest("c", "What is Ben's favorite drink?", tuple(options), tuple(memories))])[0]
 
 
 def test_reader_masking_structure():
@@ -45,7 +46,8 @@ def test_scoring_modes_and_open_answers():
     assert score(tie, ("a", "b"), "a", "correct") == (0.0, False)  # a tie is not knowing the answer
     open_resp = AgentResponse((), "The Physics building", samples=("physics building room 214",))
     util, correct = score(open_resp, (), "the Physics building, room 214", "probability")
-    assert not correct and util == pytest.approx((token_f1("The Physics building", "Physics building room 214") + 1.0) / 2)
+    assert not correct and util == pytest.approx(
+        (token_f1("The Physics building", "Physics building room 214") + 1.0) / 2)
     with pytest.raises(ConfigError):
         ReaderConfig(beta=0)
 

@@ -64,7 +64,8 @@ def test_driver_killed_mid_evaluation_resumes_to_the_undisturbed_outputs(tmp_pat
     whole, _ = audit(tmp_path, "whole", utility="correct", batch_size=32)
     out = tmp_path / "killed"
     env = os.environ | {"PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", DYING_DRIVER, str(out), "12"], env=env, capture_output=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", DYING_DRIVER, str(out), "12"], env=env, capture_output=True,
+                          timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
     on_disk = pl.read_parquet(out / "utilities").height
     assert 0 < on_disk < whole.evaluated
@@ -110,7 +111,8 @@ def test_reuse_evaluates_nothing_unchanged_and_only_the_queries_of_a_changed_mem
     assert main([*base, "--out", str(tmp_path / "night1")]) == 0
     assert main([*base, "--out", str(tmp_path / "night2"), "--reuse", str(tmp_path / "night1")]) == 0
     m2 = json.loads((tmp_path / "night2" / "manifest.json").read_text())["counts"]
-    assert m2["coalitions_evaluated"] == 0 and m2["coalitions_reused"] == m2["coalitions_imported_from_reuse"] == 36 * 32
+    assert (m2["coalitions_evaluated"] == 0
+            and m2["coalitions_reused"] == m2["coalitions_imported_from_reuse"] == 36 * 32)
     _assert_same_outputs(tmp_path / "night1", tmp_path / "night2")
 
     # change one memory's text: only the queries whose frozen context holds it are evaluated again

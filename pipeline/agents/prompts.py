@@ -15,9 +15,9 @@ text like "<|eot_id|>" survives), and line breaks are folded into spaces (our st
 data, not instructions.
 
 How the option letter follows the cue depends on the tokenizer: byte-level BPE models (Llama 3, Qwen, the tiny test
-model) have " A" as one token, so the prompt ends "Answer:" and the scored tokens are " A", " B", ...; tokenizers without
-such tokens get "Answer: " and the bare letters. `letter_tokens` probes which one applies, so the next generated token
-is always exactly one option letter.
+model) have " A" as one token, so the prompt ends "Answer:" and the scored tokens are " A", " B", ...; tokenizers
+without such tokens get "Answer: " and the bare letters. `letter_tokens` probes which one applies, so the next generated
+token is always exactly one option letter.
 """
 
 from __future__ import annotations
@@ -160,7 +160,8 @@ def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
     return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
 
-def letter_tokens(tokenizer: Any, n_letters: int, use_chat_template: bool | None = None) -> tuple[PromptFormat, list[int]]:
+def letter_tokens(tokenizer: Any, n_letters: int,
+                  use_chat_template: bool | None = None) -> tuple[PromptFormat, list[int]]:
     """Pick the prompt format and the token id of each option letter, so the token after the cue is exactly one letter.
 
     Probes the cue in context: with suffix s, encode(probe + s) must be a prefix of encode(probe + s + L) and the
@@ -190,7 +191,8 @@ def letter_tokens(tokenizer: Any, n_letters: int, use_chat_template: bool | None
 # Stands in for a coalition's memory lines when a case's prompt is rendered once and split into its fixed head and tail
 # (see PromptBuilder.answer_ids_batch). A question or option holding it simply takes the full path.
 _MEMORY_SLOT = "\x00meclear-memory-lines\x00"
-_CACHE_LIMIT = 8192  # cached frames / encoded pieces per builder; cleared when full (cases come in runs, so that is rare)
+# cached frames / encoded pieces per builder; cleared when full (cases come in runs, so that is rare)
+_CACHE_LIMIT = 8192
 
 # Splits a case's prompt into pieces: (head, tail, memory lines) -> [head, *pieces, tail], whose concatenation is
 # exactly the rendered prompt. Tokenizers differ in which side of a piece boundary a line break may sit on without
@@ -311,7 +313,7 @@ class PromptBuilder:
     def filter_ids(self, question: str, options: Sequence[str], memories: Sequence[str]) -> list[int]:
         return self.encode(build_filter_prompt(self.format, self.tokenizer, question, options, memories))
 
-    # -- piece tokenisation ---------------------------------------------------------------------------------------------
+    # -- piece tokenisation ------------------------------------------------------------------------------------------
 
     def _full_ids(self, requests: Sequence[Any]) -> list[list[int]]:
         # One tokenizer call for the whole list: a fast tokenizer encodes it in one pass.

@@ -175,7 +175,8 @@ def resolved_dtype(config: VLLMConfig, on_cpu: bool, cpuinfo: str | None = None)
 def resolved_eager(config: VLLMConfig, on_cpu: bool) -> bool:
     """enforce_eager null: eager on CPU, compiled (torch.compile, CUDA graphs) on CUDA. On CPU compilation bought no
     throughput and cost start-up: SmolLM2 on 2 cores answered 12.10 coalitions/s eager and 12.08-12.83 compiled, with
-    engine starts of 73 s eager against 190 s compiled cold and 155 s with a warm compile cache (`jobs/bench_engine.py`)."""
+    engine starts of 73 s eager against 190 s compiled cold and 155 s with a warm compile cache
+    (`jobs/bench_engine.py`)."""
     return on_cpu if config.enforce_eager is None else config.enforce_eager
 
 
@@ -185,8 +186,8 @@ def head_overrides(model_path: str, on_cpu: bool, dtype: str) -> dict[str, str] 
     In bfloat16 the lm_head's logits are quantised to steps of 0.06-0.125 nats and change with batch composition, so
     letter and cloze log-probabilities tie more often and a retried task is only approximately idempotent. vLLM (0.32
     and 0.33: `ModelConfig.head_dtype`, `LogitsProcessor`) computes the head in float32 when the HF config carries
-    `head_dtype: float32`; on CUDA it accumulates the bf16 GEMM into float32 output (`torch.mm(out_dtype=...)`) without a
-    float32 copy of the weights, one GEMM per generated token. Not set: on CPU (the CPU agent already runs float32
+    `head_dtype: float32`; on CUDA it accumulates the bf16 GEMM into float32 output (`torch.mm(out_dtype=...)`) without
+    a float32 copy of the weights, one GEMM per generated token. Not set: on CPU (the CPU agent already runs float32
     where it matters, `resolved_dtype`), for a float32 model, and for a quantised checkpoint (vLLM refuses a head_dtype
     other than the model's for a quantised lm_head)."""
     if on_cpu or dtype == "float32":
@@ -313,7 +314,8 @@ def _import_vllm() -> Any:
 
 
 class VLLMAgent:
-    """An `Agent` on one vLLM engine, built once per actor. A case's coalitions arrive in one batch and share a prefix."""
+    """An `Agent` on one vLLM engine, built once per actor. A case's coalitions arrive in one batch and share a
+    prefix."""
 
     name = "vllm"
 

@@ -75,7 +75,8 @@ def start_agent_pool(spec: AgentSpec, actors: int = 0, cpus_per_actor: float = 1
     if actors * cpus_per_actor > free + 1e-9:
         log.warning("waiting for %g free CPUs for %d agent actors (%g free now; timeout %.0f s)",
                     actors * cpus_per_actor, actors, free, startup_timeout_s)
-    pool = pool_cls(AgentWorker, (spec, None, True), actors, cpus_per_actor=cpus_per_actor,  # True: exit on engine death
+    # True: exit on engine death
+    pool = pool_cls(AgentWorker, (spec, None, True), actors, cpus_per_actor=cpus_per_actor,
                     gpus_per_actor=gpus_per_actor, max_inflight=max_inflight,
                     concurrent=spec.name in CONCURRENT_AGENTS)
     try:  # also waits for every agent to be built
@@ -96,8 +97,8 @@ EMBED_CPUS = 1.0
 
 
 def start_embed_pool(n: int):
-    """`n` embedding actors (`pipeline.retrieval.embeddings.EmbedWorker`, EMBED_CPUS each) behind a `PoolEncoder`. Started by
-    the retrieval stage the first time the embedding cache lacks a text, so a warm night starts none."""
+    """`n` embedding actors (`pipeline.retrieval.embeddings.EmbedWorker`, EMBED_CPUS each) behind a `PoolEncoder`.
+    Started by the retrieval stage the first time the embedding cache lacks a text, so a warm night starts none."""
     from pipeline.retrieval.embeddings import EmbedWorker, PoolEncoder
 
     pool = RayPool(EmbedWorker, (), n, cpus_per_actor=EMBED_CPUS, max_inflight=2)

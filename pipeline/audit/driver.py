@@ -1,16 +1,16 @@
 """The audit's driver: frozen contexts -> coalition evaluations (streamed) -> attributions, interactions, clearances.
 
 `run_audit` plans cases lazily, a bounded window of them in flight (`case_window`), and routes whole cases to a pool
-of agents (`pipeline.exec.pools`: in process or Ray actors) through the `Scheduler`. Each worker runs its cases to the end
-(`pipeline.audit.worker.run_cases`: first passes batched, then the later passes, then the reduction) and returns their
-rows as Arrow tables; the driver streams them (contexts, utilities, attributions, interactions, clearances) to part
-files named by the run attempt: driver memory is the window, not the pool.
+of agents (`pipeline.exec.pools`: in process or Ray actors) through the `Scheduler`. Each worker runs its cases to the
+end (`pipeline.audit.worker.run_cases`: first passes batched, then the later passes, then the reduction) and returns
+their rows as Arrow tables; the driver streams them (contexts, utilities, attributions, interactions, clearances) to
+part files named by the run attempt: driver memory is the window, not the pool.
 When the run finishes, every other run's (and crashed attempt's) reduction parts are dropped, so each reduction
-folder holds exactly this run's rows; after a crash it holds every case that finished. Rows are keyed by (pool, query, context hash, coalition, agent, utility mode), so
-a rerun into the same folder (or one given `reuse=PREVIOUS_OUT`, `pipeline.store.reuse`) skips every coalition already
-written. Part files are content-addressed and compacted at the end of each run, so resuming after any crash
-converges: `utilities/` ends with every key exactly once. A case whose agent fails or returns a non-finite or
-out-of-range utility goes to `errors/`; the other cases finish.
+folder holds exactly this run's rows; after a crash it holds every case that finished. Rows are keyed by (pool, query,
+context hash, coalition, agent, utility mode), so a rerun into the same folder (or one given `reuse=PREVIOUS_OUT`,
+`pipeline.store.reuse`) skips every coalition already written. Part files are content-addressed and compacted at the end
+of each run, so resuming after any crash converges: `utilities/` ends with every key exactly once. A case whose agent
+fails or returns a non-finite or out-of-range utility goes to `errors/`; the other cases finish.
 """
 
 from __future__ import annotations

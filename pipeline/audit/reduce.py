@@ -187,7 +187,8 @@ def no_clearance_reason(result: Clearance, harmful: int) -> str | None:
 @dataclass(frozen=True)
 class ClearanceRow:
     """One query's clearance decision, typed until the writer makes it a row of `clearances/` (`as_row`). Fields in
-    the order of `pipeline.store.schemas.CLEARANCES`, whose comments say what each holds; a test keeps the two in step."""
+    the order of `pipeline.store.schemas.CLEARANCES`, whose comments say what each holds; a test keeps the two in
+    step."""
 
     run_id: str
     pool_id: str

@@ -2,8 +2,9 @@
 
 `audit` is what the CLI and the Ray jobs call: inputs, the agent's options and the output folder are all checked, and
 the folder locked, before any agent starts or anything is written, so a bad input writes nothing and a second run into
-a locked folder fails at once. The driver itself (`run_audit`) lives in `pipeline.audit.driver`; `AuditConfig` holds every
-setting of an audit, `InputSpec` says where the memories and queries come from, `load_job_config` reads a job's YAML.
+a locked folder fails at once. The driver itself (`run_audit`) lives in `pipeline.audit.driver`; `AuditConfig` holds
+every setting of an audit, `InputSpec` says where the memories and queries come from, `load_job_config` reads a job's
+YAML.
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ class InputSpec:
             queries = load_queries(self.queries, pools)
             files = [*self.mem0, *(str(f) for p in self.queries for f in input_files(p))]
         else:
-            mem, qry = (self.memories, self.queries) if self.memories else tuple(map(lambda p: (str(p),), sample_paths()))
+            mem, qry = ((self.memories, self.queries) if self.memories
+                        else tuple(map(lambda p: (str(p),), sample_paths())))
             pools = load_pools(mem, self.max_memory_chars)
             queries = load_queries(qry, pools)
             files = [str(f) for p in (*mem, *qry) for f in input_files(p)]
@@ -150,7 +152,8 @@ def audit(inputs: InputSpec, config: AuditConfig, out: str | Path, progress: boo
             raise OutputError(f"--reuse {r}: has no utilities/ folder; give an earlier run's --out")
     reuse_dirs = [r for r in reuse if Path(r).resolve() != out.resolve()]
     # every file and folder the run reads: --out may neither hold one nor sit inside one
-    check_out(out, [*files, *inputs.memories, *inputs.queries, *inputs.mem0, *filter(None, [inputs.locomo]), *reuse_dirs])
+    check_out(out, [*files, *inputs.memories, *inputs.queries, *inputs.mem0, *filter(None, [inputs.locomo]),
+                    *reuse_dirs])
     with OutLock(out) as lock:
         t = time.perf_counter()
         with agents_running(config, spec) as (agents, fingerprint):

@@ -188,7 +188,8 @@ class AuditConfig(RunSettings):
                                ADAPTIVE_CAP if self.estimator == "adaptive" else DEFAULT_PERMUTATIONS)
         check_number(self.cpus_per_actor, w, "cpus_per_actor")
         check(self.estimator != "exact" or self.top_k <= MAX_EXACT_K, w,
-              f"estimator='exact' with top_k={self.top_k} needs 2^{self.top_k} = {1 << self.top_k:,} agent calls per query; "
+              f"estimator='exact' with top_k={self.top_k} needs 2^{self.top_k} = {1 << self.top_k:,} agent calls "
+              "per query; "
               f"exact is allowed up to top_k={MAX_EXACT_K}, use estimator 'auto' or 'permutation' above")
         check(self.estimator in ESTIMATORS, w, f"estimator={self.estimator!r}; allowed {ESTIMATORS}")
         check_setting("budget", self.budget, w, top_k=self.top_k)
@@ -199,7 +200,8 @@ class AuditConfig(RunSettings):
               f"adaptive_prior={self.adaptive_prior!r}; must be >= 0")
         pairs = self.antithetic or self.estimator in ("adaptive", "antithetic")  # they always draw antithetic pairs
         check(not pairs or self.permutations % 2 == 0, w,
-              f"permutations={self.permutations!r}; antithetic sampling (always on with estimators 'adaptive' and 'antithetic') needs an even number")
+              f"permutations={self.permutations!r}; antithetic sampling (always on with estimators 'adaptive' and "
+              "'antithetic') needs an even number")
         check_setting("utility", self.utility, w)
         check(isinstance(self.adaptive_round, int) and self.adaptive_round >= 2
               and (self.estimator != "adaptive" or self.adaptive_round % 2 == 0), w,

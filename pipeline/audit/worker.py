@@ -194,7 +194,8 @@ class CaseSettings:
 @dataclass(frozen=True)
 class CaseTask:
     """One whole case for a worker: the case, its plan (made by the driver, which sizes tasks by it) and the values an
-    earlier run wrote for its key (`pipeline.store.reuse.PoolReuse`: coalitions, utilities, correct, answers), if any."""
+    earlier run wrote for its key (`pipeline.store.reuse.PoolReuse`: coalitions, utilities, correct, answers), if
+    any."""
 
     case_index: int
     case: Case
@@ -298,7 +299,8 @@ def error_rows(run_id: str, case: Case, res: ItemResult, utility: np.ndarray) ->
     rows = []
     for m, u in zip(res.masks.tolist(), utility.tolist()):
         if not np.isfinite(u):
-            rows.append(base | {"coalition": m, "kind": "non_finite_utility", "reason": f"utility {u} (agent answer unusable)"})
+            rows.append(base | {"coalition": m, "kind": "non_finite_utility",
+                                "reason": f"utility {u} (agent answer unusable)"})
         elif not 0.0 <= u <= 1.0:
             rows.append(base | {"coalition": m, "kind": "utility_out_of_range", "reason": f"utility {u}; allowed 0..1"})
     return rows
@@ -390,11 +392,11 @@ def run_cases(agent: Agent, tasks: list[CaseTask], s: CaseSettings) -> CasesDone
 
 class AgentWorker:
     """The worker of the audit's pools (in process or a Ray actor): builds its agent once and runs batches of whole
-    cases (`run_cases`). A build failure is kept as one line and its exit code and returned by `fingerprint`, so the driver
-    reports it as such (`agent_fingerprint`) instead of an actor traceback. `agent`: an already built agent (tests).
-    `exit_on_engine_death`: set for Ray actors (`pipeline.audit.actors.start_agent_pool`): when the engine dies the process
-    exits, which Ray treats as an actor failure (restart, then the task retried); an exception would only fail the
-    task, and the actor would stay up with a dead engine."""
+    cases (`run_cases`). A build failure is kept as one line and its exit code and returned by `fingerprint`, so the
+    driver reports it as such (`agent_fingerprint`) instead of an actor traceback. `agent`: an already built agent
+    (tests). `exit_on_engine_death`: set for Ray actors (`pipeline.audit.actors.start_agent_pool`): when the engine dies
+    the process exits, which Ray treats as an actor failure (restart, then the task retried); an exception would only
+    fail the task, and the actor would stay up with a dead engine."""
 
     def __init__(self, spec: AgentSpec, agent: Agent | None = None, exit_on_engine_death: bool = False):
         self.agent, self.error, self.exit_on_engine_death = agent, None, exit_on_engine_death

@@ -49,7 +49,8 @@ class EvalConfig(RunSettings):
             check_setting("permutations", b, w, field="budgets")
         for b in self.eval_budgets:  # agent evaluations per case, by the audit's one budget rule
             check_setting("budget", b, w, top_k=self.top_k, field="budgets", none=False)
-        check(len(set(self.eval_budgets)) == len(self.eval_budgets), w, f"budgets={self.eval_budgets!r} repeats a value")
+        check(len(set(self.eval_budgets)) == len(self.eval_budgets), w,
+              f"budgets={self.eval_budgets!r} repeats a value")
         object.__setattr__(self, "methods", expand_methods(self.methods, self.budgets, self.eval_budgets, self.top_k))
         check(bool(self.methods), w, "methods is empty")
         check(bool(self.utility), w, f"utility is empty; allowed a non-empty subset of {UTILITY_MODES}")

@@ -6,11 +6,11 @@ coalition once per case (`CaseOutcomes`); both utility modes and all methods rea
 
 - meclear_l{L}: the contract's permutation estimator with L permutations fixed (pipeline.game.estimators), plus the
   LOO coalitions it always holds; meclear_exact: the contract's exact enumeration, all 2^K coalitions. Shapley
-  values, harmful ranking (phi < -tau, ties by LOO), nested verified clearance. Pairwise interactions are diagnostics in MeClear and do not enter the ranking or the clearance,
-  so the benchmark does not compute them.
+  values, harmful ranking (phi < -tau, ties by LOO), nested verified clearance. Pairwise interactions are diagnostics in
+  MeClear and do not enter the ranking or the clearance, so the benchmark does not compute them.
 - loo: rank by LOO effect, same nested clearance; loo_threshold: remove every memory with loo < -tau at once.
-- contextcite, proxyspex: the contract's surrogates (`pipeline.game.surrogates`), same ranking rule (without LOO tie-break: it would cost
-  evaluations they do not make) and the same nested clearance.
+- contextcite, proxyspex: the contract's surrogates (`pipeline.game.surrogates`), same ranking rule (without LOO
+  tie-break: it would cost evaluations they do not make) and the same nested clearance.
 - filter: the agent's own `drop_memories` (LLM agents) or, for agents without one, the relevance-threshold filter on
   lexical relevance (the fraction of the question's content words a memory contains); no nested search. The LLM
   filter's own generation call counts as one agent evaluation.

@@ -1,10 +1,10 @@
 """Re-retrieval over a pool with a few records added, without re-indexing the pool.
 
 The benchmark re-runs retrieval (K=5) for every candidate fault set, on its own in-memory copy of the pool plus the
-faults. `pipeline.retrieval.frozen.Retriever` would rebuild BM25 and re-embed the whole pool (~600 LoCoMo turns, ~10 s of
-MiniLM on 2 cores) for each copy; `PoolIndex` keeps each pool's BM25 index (`BM25.extended` adds the records to a copy)
-and embeddings, and only tokenises and embeds the added records. The scores are `Retriever`'s (the same `BM25` over
-the extended pool, MiniLM cosine, reciprocal-rank fusion, ties in pool order, added records after
+faults. `pipeline.retrieval.frozen.Retriever` would rebuild BM25 and re-embed the whole pool (~600 LoCoMo turns, ~10 s
+of MiniLM on 2 cores) for each copy; `PoolIndex` keeps each pool's BM25 index (`BM25.extended` adds the records to a
+copy) and embeddings, and only tokenises and embeds the added records. The scores are `Retriever`'s (the same `BM25`
+over the extended pool, MiniLM cosine, reciprocal-rank fusion, ties in pool order, added records after
 the pool), so the frozen context equals what `Retriever` would freeze on the extended pool (checked in the tests).
 """
 

@@ -160,7 +160,8 @@ def _workers(config: EvalConfig, progress: bool) -> Iterator[WorkerPool]:
     with cluster_session():
         plan = plan_pool_gpus(config.agent_spec, config.actors, 1.0, config.gpus_per_actor)  # issue 20
         config = dataclasses.replace(config, agent_options=plan.agent_options, gpus_per_actor=plan.gpus_per_actor)
-        pool = RayPool(BenchWorker, (config, progress), pool_size(config.agent, config.actors, 1.0, config.gpus_per_actor),
+        pool = RayPool(BenchWorker, (config, progress),
+                       pool_size(config.agent, config.actors, 1.0, config.gpus_per_actor),
                        gpus_per_actor=config.gpus_per_actor)
         try:
             yield pool

@@ -33,11 +33,11 @@ def add_parser(sub, add_agent_args, agent_options) -> None:
 
     e = sub.add_parser(
         "eval", help="run the FI-LoCoMo benchmark (fault-injected LoCoMo) with bootstrap intervals",
-        description="FI-LoCoMo: inject direct, redundant and joint faults into LoCoMo pools, verify them causally under "
-                    "the agent, run MeClear and the baselines on every case, and report the paper's metrics with "
-                    "95% two-level cluster-bootstrap intervals. Writes cases.parquet, summary.json, summary.md and "
-                    "figure.png to --out. --executor defaults to local here (fastest on small machines); use --executor ray to "
-                    "shard over Ray actors.")
+        description="FI-LoCoMo: inject direct, redundant and joint faults into LoCoMo pools, verify them causally "
+                    "under the agent, run MeClear and the baselines on every case, and report the paper's metrics "
+                    "with 95% two-level cluster-bootstrap intervals. Writes cases.parquet, summary.json, summary.md "
+                    "and figure.png to --out. --executor defaults to local here (fastest on small machines); use "
+                    "--executor ray to shard over Ray actors.")
     e.add_argument("--locomo", required=True, help="LoCoMo json (e.g. locomo10.json); read only")
     e.add_argument("--out", required=True, help="output folder")
     e.add_argument("--methods", default=",".join(d("methods")),

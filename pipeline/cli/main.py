@@ -31,7 +31,8 @@ def _add_agent_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--agent-option", action="append", default=[], metavar="KEY=VALUE",
                    help="extra agent setting, e.g. dtype=bfloat16 or max_model_len=4096 (repeatable)")
     p.add_argument("--executor", choices=EXECUTORS, default=d.executor, help="Ray actor pool or in process")
-    p.add_argument("--actors", type=int, default=d.actors, help="agent actors (0: one per free CPU, or per GPU for LLMs)")
+    p.add_argument("--actors", type=int, default=d.actors,
+                   help="agent actors (0: one per free CPU, or per GPU for LLMs)")
     p.add_argument("--gpus-per-actor", type=float, default=d.gpus_per_actor,
                    help="GPUs per agent actor (0: tensor_parallel_size for the vllm agent on a cluster with GPUs, "
                         "else CPU only)")
@@ -64,9 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     a = sub.add_parser("audit", help="attribute harmful retrieved memories and pick verified clearances",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                       description="Audit memory pools: without --memories/--queries/--locomo, the bundled sample pool. "
-                                   "Exit codes: 0 done; 2 bad input, settings or --out (one line, nothing written); "
-                                   "3 finished but some cases failed (see errors/); 130 interrupted.")
+                       description="Audit memory pools: without --memories/--queries/--locomo, the bundled sample "
+                                   "pool. Exit codes: 0 done; 2 bad input, settings or --out (one line, nothing "
+                                   "written); 3 finished but some cases failed (see errors/); 130 interrupted.")
     a.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log at INFO level")
     a.add_argument("--memories", action="append", default=[], help="memory pool file or folder (JSONL/Parquet)")
     a.add_argument("--queries", action="append", default=[], help="query set file or folder (JSONL/Parquet)")
@@ -74,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mem0 export (JSON list / {results: [...]} / JSONL; user_id = pool), with --queries")
     a.add_argument("--locomo", help="LoCoMo json file (e.g. locomo10.json) instead of memories/queries")
     a.add_argument("--conversations", default="", help="LoCoMo sample_ids to keep, comma separated")
-    a.add_argument("--locomo-options", type=int, default=i.locomo_options, help="options per LoCoMo query (0: open answers)")
+    a.add_argument("--locomo-options", type=int, default=i.locomo_options,
+                   help="options per LoCoMo query (0: open answers)")
     a.add_argument("--max-queries", type=int, default=i.max_queries, help="audit only the first N queries (0: all)")
     a.add_argument("--max-memory-chars", type=int, default=i.max_memory_chars,
                    help="longest memory text accepted; longer ones are input errors")
@@ -83,14 +85,18 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--reuse", action="append", default=[], metavar="PREVIOUS_OUT",
                    help="earlier run folder whose utilities are reused where their key is unchanged (repeatable)")
     a.add_argument("--top-k", type=int, default=d.top_k, help="retrieval budget K (players per case)")
-    a.add_argument("--permutations", type=int, default=field_default(AuditConfig, "permutations"), help="permutation budget L (0: 16; with --estimator adaptive, the cap 96)")
+    a.add_argument("--permutations", type=int, default=field_default(AuditConfig, "permutations"),
+                   help="permutation budget L (0: 16; with --estimator adaptive, the cap 96)")
     a.add_argument("--estimator", choices=ESTIMATORS, default=d.estimator,
-                   help="Shapley estimator (auto: exact for small K; with --budget, exact if 2^K fits, else the measured best sampled one); adaptive: antithetic permutation pairs in rounds until every Shapley value is "
+                   help="Shapley estimator (auto: exact for small K; with --budget, exact if 2^K fits, else the "
+                        "measured best sampled one); adaptive: antithetic permutation pairs in rounds until every "
+                        "Shapley value is "
                         "separated from -tau (|phi+tau| > z*SE), at most --permutations (even)")
     a.add_argument("--budget", type=_count_or_text, default=d.budget,
                    help="distinct agent evaluations per query, clearance checks included (0: none; at least K+2); "
                         "every estimator stays within it, clearances/ `evaluations` says what each query spent")
-    a.add_argument("--adaptive-round", type=int, default=d.adaptive_round, help="adaptive: permutations per round (even)")
+    a.add_argument("--adaptive-round", type=int, default=d.adaptive_round,
+                   help="adaptive: permutations per round (even)")
     a.add_argument("--adaptive-z", type=float, default=d.adaptive_z, help="adaptive: z of the confidence bound")
     a.add_argument("--adaptive-prior", type=float, default=d.adaptive_prior,
                    help="adaptive: pseudo-draws of prior variance (range^2/4) added to each memory's SE (0: off)")
@@ -203,7 +209,8 @@ def print_summary(result, wall: float) -> None:
 
 def _print_clearances(summary, limit: int = 12) -> None:
     """Lead with the failing queries the clearance recovered, then those it could not, then gains on correct ones.
-    `summary`: the driver's counts and first rows (`pipeline.audit.reduce.ClearanceSummary`); all rows are in clearances/."""
+    `summary`: the driver's counts and first rows (`pipeline.audit.reduce.ClearanceSummary`); all rows are in
+    clearances/."""
     recovered = [c for c in summary.rows if c.recovered is True]
     if summary.recovered:
         print(f"\n  wrongly answered, recovered by the clearance ({summary.recovered}):")
@@ -230,7 +237,8 @@ def safe_log_record(record: logging.LogRecord) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
     logging.captureWarnings(True)  # library warnings (they may quote input text) reach the console through the filter
     for handler in logging.getLogger().handlers:
         handler.addFilter(safe_log_record)

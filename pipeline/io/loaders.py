@@ -55,8 +55,9 @@ def load_pools(paths: str | Path | Iterable[str | Path], max_chars: int = MAX_ME
                 without_pool = without_pool or where
                 pool_id = f.stem
                 if stem_pools.setdefault(pool_id, f) != f:
-                    raise InputError(f, where, "pool_id", f"is missing, and the pool named after the file, {pool_id!r}, "
-                                                          f"is also {stem_pools[pool_id]}; rename a file or give pool_id")
+                    raise InputError(f, where, "pool_id",
+                                     f"is missing, and the pool named after the file, {pool_id!r}, "
+                                     f"is also {stem_pools[pool_id]}; rename a file or give pool_id")
             else:
                 with_pool = with_pool or where
             if with_pool and without_pool:
@@ -86,7 +87,8 @@ def load_queries(paths: str | Path | Iterable[str | Path], pools: dict[str, Pool
                 raise InputError(f, where, "pool_id", f"{q.pool_id!r} is not a loaded pool; pools: {sorted(pools)}")
             key = (q.pool_id, q.query_id)
             if key in first:
-                raise InputError(f, where, "query_id", f"{q.query_id!r} repeats in pool {q.pool_id!r} (first at {first[key]})")
+                raise InputError(f, where, "query_id",
+                                 f"{q.query_id!r} repeats in pool {q.pool_id!r} (first at {first[key]})")
             first[key] = f"{f} {where}"  # the file too: the repeat may be in another file
             out.append(q)
     if not out:

@@ -137,7 +137,8 @@ def load_locomo(
     if conversations is not None:
         missing = sorted(set(conversations) - set(pools))
         if missing:
-            raise InputError(path, "", "sample_id", f"conversations {missing} not found; have {[c['sample_id'] for c in data]}")
+            raise InputError(path, "", "sample_id",
+                             f"conversations {missing} not found; have {[c['sample_id'] for c in data]}")
     if not queries:
         raise InputError(path, "", "qa", "holds no answerable questions")
     return pools, queries
@@ -170,14 +171,17 @@ def _check_types(path: Path, data: list) -> None:
                 raise InputError(path, f"{where} {key}", None, f"must be a list of turns, got {_type_name(turns)}")
             for ti, turn in enumerate(turns):
                 if not isinstance(turn, dict):
-                    raise InputError(path, f"{where} {key} turn {ti}", None, f"must be an object, got {_type_name(turn)}")
+                    raise InputError(path, f"{where} {key} turn {ti}", None,
+                                     f"must be an object, got {_type_name(turn)}")
                 for f in ("dia_id", "speaker", "text"):
                     if f in turn and not isinstance(turn[f], str):
-                        raise InputError(path, f"{where} {key} turn {ti}", f, f"must be a string, got {_type_name(turn[f])}")
+                        raise InputError(path, f"{where} {key} turn {ti}", f,
+                                         f"must be a string, got {_type_name(turn[f])}")
                 for f in ("dia_id", "speaker"):  # ids and names are copied into every row
                     check_length(path, f"{where} {key} turn {ti}", f, turn.get(f, ""), MAX_FIELD_CHARS)
         for qi, qa in enumerate(conv["qa"]):
             if not isinstance(qa, dict):
                 raise InputError(path, f"{where} qa {qi}", None, f"must be an object, got {_type_name(qa)}")
             if "question" in qa and not isinstance(qa["question"], str):
-                raise InputError(path, f"{where} qa {qi}", "question", f"must be a string, got {_type_name(qa['question'])}")
+                raise InputError(path, f"{where} qa {qi}", "question",
+                                 f"must be a string, got {_type_name(qa['question'])}")

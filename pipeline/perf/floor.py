@@ -2,8 +2,8 @@
 
 floor_s = uncached prompt tokens x FLOPs per token / the machine's GEMM rate. FLOPs per token are 2 x the model's
 matmul parameters, counted from its config (`flops_per_token`: attention projections, MLP, and the vocabulary head once;
-the attention-score FLOPs, 4 x context x hidden per layer, are left out: a few percent at these prompt lengths). The GEMM
-rate is measured here with torch at the model's own shapes, in the same run (`gemm_rate`), not assumed.
+the attention-score FLOPs, 4 x context x hidden per layer, are left out: a few percent at these prompt lengths). The
+GEMM rate is measured here with torch at the model's own shapes, in the same run (`gemm_rate`), not assumed.
 
 Nothing here imports vLLM or Ray at module level, so other benchmarks (the GPU one) import these functions freely;
 `run_floor_case` needs vLLM and must run under `if __name__ == "__main__":` (vLLM spawns its engine).
@@ -160,11 +160,12 @@ def format_floor(report: Mapping[str, Any]) -> str:
              f"{report['flops_per_token'] / 1e9:.3f} GFLOP/token, GEMM rate {rate / 1e9:.1f} GFLOP/s before, "
              f"{report['gemm_rate_after']['best'] / 1e9:.1f} after; engine start {report['engine_start_s']:.0f} s",
              "",
-             "| scoring | method | coalitions | requests | prompt tokens | uncached tokens | GFLOP | floor s | time s | "
-             "time / floor | answers equal | max prob diff |",
+             "| scoring | method | coalitions | requests | prompt tokens | uncached tokens | GFLOP | floor s | "
+             "time s | time / floor | answers equal | max prob diff |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
-        lines.append(f"| {r['scoring']} | {r['method']} | {r['coalitions']} | {r['requests']} | {r['prompt_tokens']:,} | "
+        lines.append(f"| {r['scoring']} | {r['method']} | {r['coalitions']} | {r['requests']} | "
+                     f"{r['prompt_tokens']:,} | "
                      f"{r['uncached_tokens']:,} | {r['gflop']:.1f} | {r['floor_s']:.2f} | {r['seconds']:.2f} | "
                      f"{r['ratio']:.1f}x | {r['answers_equal_to_first']:.0%} | {r['max_prob_diff']:.1e} |")
     return "\n".join(lines)

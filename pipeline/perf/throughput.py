@@ -280,7 +280,7 @@ def run_bare(engine_config: Any, warmup: Sequence[WorkItem], batches: Sequence[S
         def run(prepared: list[tuple[Any, list[Any]]], render: bool = False) -> tuple[float, int, int]:
             """Time the batches through LLM.generate. With `render`, each batch's prompts are rendered as text inside
             the timed loop and tokenised by LLM.generate itself, as a user's own loop over the batches would."""
-            if not llm.reset_prefix_cache():
+            if not llm.reset_prefix_cache():  # noqa: F821 (bound above; flagged only for the `del llm` below)
                 raise AgentError("agent benchmark: the bare engine refused to reset its prefix cache")
             prompt = cached = 0
             t0 = time.perf_counter()
@@ -288,7 +288,7 @@ def run_bare(engine_config: Any, warmup: Sequence[WorkItem], batches: Sequence[S
                 if render:
                     rows = [prompts.build_prompt(builder.format, builder.tokenizer, r.question, r.options, r.memories)
                             for r in rows]
-                for out in llm.generate(rows, params, use_tqdm=False):
+                for out in llm.generate(rows, params, use_tqdm=False):  # noqa: F821 (as above: the `del llm`)
                     prompt += len(out.prompt_token_ids)
                     cached += int(out.num_cached_tokens or 0)
             return time.perf_counter() - t0, prompt, cached

@@ -62,10 +62,12 @@ def trend_section(runs: list[rd.Run], summaries: list[list[dict]]) -> str:
     stopped = sorted(set(before) - set(after))
     body += f"<h3>Became harmful since {esc(prev.label)} ({len(became)})</h3>"
     body += html_table(["pool", "memory", "queries where harmful", "text"],
-                       [[p, m, after[(p, m)], texts.get((p, m), "")] for p, m in became], {2}) if became else "<p class=muted>none</p>"
+                       [[p, m, after[(p, m)], texts.get((p, m), "")] for p, m in became],
+                       {2}) if became else "<p class=muted>none</p>"
     body += f"<h3>Stopped being harmful ({len(stopped)})</h3>"
     body += html_table(["pool", "memory", "queries where it was harmful", "text"],
-                       [[p, m, before[(p, m)], texts.get((p, m), "")] for p, m in stopped], {2}) if stopped else "<p class=muted>none</p>"
+                       [[p, m, before[(p, m)], texts.get((p, m), "")] for p, m in stopped],
+                       {2}) if stopped else "<p class=muted>none</p>"
     return _section("Night over night", body, "trends")
 
 
@@ -74,7 +76,8 @@ def query_section() -> str:
                    ["pool", "query", "question", "status", "harmful", "utility", "after clearance", "evaluations"])
     return _section("Queries", (
         '<p><input type="search" id="qsearch" placeholder="search pool, query, question, memory id, status">'
-        ' <span id="qcount" class="muted"></span> <span class="muted">— click a column to sort, a row for detail</span></p>'
+        ' <span id="qcount" class="muted"></span>'
+        ' <span class="muted">— click a column to sort, a row for detail</span></p>'
         f'<div class="wrap"><table id="qtable"><thead><tr>{head}</tr></thead><tbody></tbody></table>'
         '<button id="qmore" hidden></button></div>'
         '<div id="detail" hidden><div id="detail-body"></div></div>'
@@ -146,10 +149,13 @@ def eval_report(eval_dir: str | Path) -> str:
     counts = [[m, c.get("kept"), *(v for k, v in c.items() if k != "kept")] for m, c in s.get("cases", {}).items()]
     if counts:
         extra = [k for k in next(iter(s["cases"].values())) if k != "kept"]
-        sections.append(_section("Cases", html_table(["mechanism", "kept", *extra], counts, set(range(1, 2 + len(extra))))
+        sections.append(_section("Cases", html_table(["mechanism", "kept", *extra], counts,
+                                                     set(range(1, 2 + len(extra))))
                                  + f'<p class="muted">{esc(s.get("n_cases"))} cases from '
-                                 f'{(nc := cases["conversation"].n_unique())} conversation{"s" if nc != 1 else ""}, {esc(s.get("fault_records"))} fault '
-                                 f'records; agent {esc(s.get("agent"))}; {esc(s.get("metrics", {}).get("intervals"))}</p>'))
+                                 f'{(nc := cases["conversation"].n_unique())} conversation{"s" if nc != 1 else ""}, '
+                                 f'{esc(s.get("fault_records"))} fault '
+                                 f'records; agent {esc(s.get("agent"))}; '
+                                 f'{esc(s.get("metrics", {}).get("intervals"))}</p>'))
     fractions = set(s.get("metrics", {}).get("fractions", []))
     for mode, block in s.get("utility_modes", {}).items():
         methods = block.get("methods", {})

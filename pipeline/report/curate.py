@@ -81,7 +81,8 @@ def curate(run_dirs: list[str | Path]) -> pa.Table:
                                                       pl.col("shapley").min().alias("worst_shapley")),
               on=["pool_id", "memory_id"], how="left")
     )
-    m = pl.concat(mech) if mech else pl.DataFrame(schema={"pool_id": pl.String, "memory_id": pl.String, "mechanism": pl.String})
+    m = pl.concat(mech) if mech else pl.DataFrame(schema={"pool_id": pl.String, "memory_id": pl.String,
+                                                          "mechanism": pl.String})
     for name in ("substitution_pairs", "joint_interference_pairs"):
         counts = m.filter(pl.col("mechanism") == name).group_by("pool_id", "memory_id").agg(pl.len().alias(name))
         agg = agg.join(counts, on=["pool_id", "memory_id"], how="left")

@@ -67,7 +67,8 @@ def pool_summary(run: Run) -> list[dict]:
     harmful_att = a.filter(pl.col("harmful"))
     # pairs whose members are both harmful: substitution = redundant copies that mask each other; joint interference =
     # records that hurt more together than apart. Counting every labelled pair would count pairs of a harmful memory
-    # with the helpful one it contradicts (labelled joint_interference by the reader's softmax), which is not a mechanism.
+    # with the helpful one it contradicts (labelled joint_interference by the reader's softmax), which is not a
+    # mechanism.
     harm_pos = harmful_att.select("pool_id", "query_id", "position")
     subs = (
         i.filter(pl.col("label") == "substitution")
@@ -158,7 +159,8 @@ def query_records(run: Run) -> list[dict]:
             "gold": row.get("gold") or "", "options": row.get("options") or [],
             "before": row.get("answer_before"), "after": row.get("answer_after"),
             "baseline": row["baseline_utility"], "cleared_utility": row["cleared_utility"], "gain": row["gain"],
-            "baseline_correct": row["baseline_correct"], "recovered": row.get("recovered") if not row["baseline_correct"] else None,
+            "baseline_correct": row["baseline_correct"],
+            "recovered": row.get("recovered") if not row["baseline_correct"] else None,
             "reason": row.get("reason"), "cleared": list(row["cleared"]), "harmful": row["harmful"],
             "evaluations": row["evaluations"], "estimator": row["estimator"], "status": _status(row),
             "tau": tau,

@@ -22,7 +22,8 @@ from pipeline.core.text import safe  # noqa: E402
 # fixed hash salt makes the output byte-identical across runs.
 RC = {"svg.fonttype": "none", "svg.hashsalt": "meclear", "font.size": 8, "axes.spines.top": False,
       "axes.spines.right": False}
-LABEL_ABBREV = {"substitution": "S", "complementarity": "C", "joint_interference": "J", "independent": "", "unknown": "?"}
+LABEL_ABBREV = {"substitution": "S", "complementarity": "C", "joint_interference": "J", "independent": "",
+                "unknown": "?"}
 
 
 def _plain(s: str, n: int = 18) -> str:

@@ -179,7 +179,8 @@ class PoolEncoder:
         order = length_order(self._tokenizer, texts)
         chunks = [order[i : i + CHUNK_TEXTS] for i in range(0, len(order), CHUNK_TEXTS)]
         bar = progress_bar(total=len(texts), desc="embed (actors)", unit="text", enabled=progress)
-        for index, vecs in self.pool.map("encode_chunk", [(c, [texts[j] for j in idx]) for c, idx in enumerate(chunks)]):
+        for index, vecs in self.pool.map("encode_chunk",
+                                         [(c, [texts[j] for j in idx]) for c, idx in enumerate(chunks)]):
             out[chunks[index]] = vecs
             bar.update(len(vecs))
         bar.close()

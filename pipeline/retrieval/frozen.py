@@ -193,11 +193,12 @@ def fuse_and_freeze(query: Query, memories: Sequence[Memory], bm25_scores: np.nd
 class Retriever:
     """Retrieves and freezes contexts for queries of the given pools.
 
-    Embeddings (memories and questions) go through the on-disk cache (`pipeline.retrieval.embeddings`), so a rerun over an
-    unchanged pool embeds nothing. `cache_dir=None` uses `$MECLEAR_CACHE` (default ~/.cache/meclear); `cache=False`
+    Embeddings (memories and questions) go through the on-disk cache (`pipeline.retrieval.embeddings`), so a rerun over
+    an unchanged pool embeds nothing. `cache_dir=None` uses `$MECLEAR_CACHE` (default ~/.cache/meclear); `cache=False`
     embeds without reading or writing the cache. `encoder`: a callable returning what embeds the texts the cache lacks
-    (e.g. a `pipeline.retrieval.embeddings.PoolEncoder` over Ray actors), called the first time the cache lacks a text, so that
-    no actor starts when the cache is warm; default MiniLM in this process. `stats` says what was embedded and reused.
+    (e.g. a `pipeline.retrieval.embeddings.PoolEncoder` over Ray actors), called the first time the cache lacks a text,
+    so that no actor starts when the cache is warm; default MiniLM in this process. `stats` says what was embedded and
+    reused.
 
     `stream` is the audit's retrieval stage: pool by pool, it embeds that pool's new texts and yields its frozen
     contexts, then drops the pool's index, so contexts reach the agents while later pools are still embedded and
@@ -253,7 +254,8 @@ class Retriever:
         for pool_id, pool_queries in by_pool.items():
             memories = self.pools[pool_id].memories
             q_emb = pool_emb = None
-            if self.dense:  # the pool's memories and its questions in one call: the new ones share length-sorted batches
+            # the pool's memories and its questions in one call: the new ones share length-sorted batches
+            if self.dense:
                 emb = self._embed([m.text for m in memories] + [q.question for q in pool_queries])
                 pool_emb, q_emb = emb[: len(memories)], emb[len(memories):]
             t = time.perf_counter()

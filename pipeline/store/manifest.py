@@ -53,7 +53,8 @@ class Manifest:
     @property
     def input_paths(self) -> list[Path]:
         """Every file and folder this run read: its inputs and its --reuse folders (never to be written over)."""
-        return [Path(i["path"]) for i in self.inputs if isinstance(i, dict) and "path" in i] + [Path(r) for r in self.reuse]
+        return ([Path(i["path"]) for i in self.inputs if isinstance(i, dict) and "path" in i]
+                + [Path(r) for r in self.reuse])
 
     def write(self, folder: Path) -> None:
         write_json_atomic(Path(folder) / FILE, asdict(self))

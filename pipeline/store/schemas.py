@@ -95,7 +95,8 @@ CLEARANCES = pa.schema(
         ("gain", pa.float64()),
         ("baseline_correct", pa.bool_()),
         ("recovered", pa.bool_()),  # was wrong on the full context, is right after clearance; null when never wrong
-        ("reason", pa.string()),  # why nothing was cleared: no harmful memory | already correct | no admissible candidate
+        # why nothing was cleared: no harmful memory | already correct | no admissible candidate
+        ("reason", pa.string()),
         ("harmful", pa.int32()),  # |H|
         ("candidates", pa.int32()),  # |H| + 1 nested candidates checked
         ("evaluations", pa.int32()),  # distinct coalitions evaluated for the case

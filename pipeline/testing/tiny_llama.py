@@ -1,9 +1,9 @@
 """Build a tiny random-weight Llama (model + fast tokenizer) offline, for tests that need a real LLM engine.
 
-No hub access is needed: the tokenizer is a byte-level BPE trained on a few sentences in the shape of our prompts, and the
-weights come from `torch.manual_seed(seed)`. The folder loads with transformers and with vLLM under HF_HUB_OFFLINE=1.
-vLLM's CPU attention needs head_dim >= 32, hence hidden_size=128 with 4 heads. The option letters " A" .. " P" are single
-tokens after "Answer:", so up to 16 options can be scored.
+No hub access is needed: the tokenizer is a byte-level BPE trained on a few sentences in the shape of our prompts, and
+the weights come from `torch.manual_seed(seed)`. The folder loads with transformers and with vLLM under
+HF_HUB_OFFLINE=1. vLLM's CPU attention needs head_dim >= 32, hence hidden_size=128 with 4 heads. The option
+letters " A" .. " P" are single tokens after "Answer:", so up to 16 options can be scored.
 """
 
 from __future__ import annotations
