@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from pipeline.core.errors import InputError
+from pipeline.core.extras import require
 from pipeline.core.text import safe
 from pipeline.store import writer
 from pipeline.store.outdir import REPORT, check_file_out
@@ -34,6 +35,8 @@ def add_parsers(sub) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    # the page's figures are matplotlib's: a missing extra is one line here, not a traceback from deep in build
+    require("eval", [("matplotlib", "matplotlib")], "meclear report")
     from pipeline.report import build, data
 
     run = Path(args.run_dir)
