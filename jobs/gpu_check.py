@@ -1,5 +1,5 @@
 """The GPU check of a bare CUDA node: precision, coalitions/s and the floor ratio of the transformers agent on CUDA
-(`pipeline.perf.gpu_check`). Needs only torch and transformers besides this repository (no Ray, no vLLM, no network).
+(`benchmarks/gpu_check.py`). Needs only torch and transformers besides this repository (no Ray, no vLLM, no network).
 
     python jobs/gpu_check.py --model smollm2-135m-instruct --out gpu-check.json
     python jobs/gpu_check.py --model tiny          # the random test Llama, built offline
@@ -15,10 +15,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's source, without installing it
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's source; benchmarks/ is not installed
 
+from benchmarks.gpu_check import CheckSettings, run_check, table, write_report  # noqa: E402
 from pipeline.core.errors import MeClearError  # noqa: E402
-from pipeline.perf.gpu_check import CheckSettings, run_check, table, write_report  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,7 +49,7 @@ def test_without_a_gpu_the_check_stops_at_the_first_cuda_call_in_one_line(tmp_pa
 
 
 def test_the_synthetic_pool_is_every_coalition_of_each_case():
-    from pipeline.perf.gpu_check import K, synthetic_requests
+    from benchmarks.gpu_check import K, synthetic_requests
 
     reqs = synthetic_requests(3)
     assert len(reqs) == 3 * 2**K
@@ -79,7 +79,7 @@ def test_the_measurements_run_on_cpu_with_the_tiny_model(tmp_path):
     """The GPU check's measuring code, run on CPU (device='cpu') so that its first GPU night does not find a bug in
     it: precision rows for both scorings, a throughput and a floor ratio. CPU figures, not GPU figures."""
     pytest.importorskip("transformers")
-    from pipeline.perf import gpu_check as g
+    from benchmarks import gpu_check as g
 
     model = g.resolve_check_model(g.TINY, tmp_path)
     rows = g.precision(model, g.synthetic_requests(1)[:8], "cpu",

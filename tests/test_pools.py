@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.compute  # noqa: F401 - pa.compute
 import pytest
 
+from benchmarks.throughput import RecordingPool, batch_requests
 from pipeline.agents import AgentSpec
 from pipeline.agents.reader import ReaderAgent
 from pipeline.audit.cases import make_cases
@@ -29,7 +30,6 @@ from pipeline.audit.worker import (
 from pipeline.core.errors import AgentStartError
 from pipeline.exec.pools import LocalPool, map_calls
 from pipeline.game import GamePlan, make_plan
-from pipeline.perf.throughput import RecordingPool, batch_requests
 from pipeline.retrieval.frozen import Retriever
 
 

@@ -83,7 +83,7 @@ def test_cloze_option_logprobs_come_only_from_computed_positions() -> None:
 
 def test_flops_per_token_counts_smollm2_matmul_parameters(tmp_path) -> None:
     """2 x the matmul parameters from the config: SmolLM2-135M's 134.5M (norms aside) give ~0.269 GFLOP per token."""
-    from pipeline.perf.floor import floor_seconds, flops_per_token
+    from benchmarks.floor import floor_seconds, flops_per_token
 
     (tmp_path / "config.json").write_text(json.dumps({
         "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536,

@@ -219,7 +219,7 @@ class CasesDone:
     writes them (None when there are none; `contexts` of every case, failed ones included, as the driver wrote them
     on admission before), each finished case's clearance also as a typed row (the driver's summary counts them), and
     the failed cases' error rows. `calls` lists the agent calls made, as (case index, coalitions, stage) of each item
-    in call order: the agent benchmark replays exactly these batches (`pipeline.perf.throughput.RecordingPool`)."""
+    in call order: the agent benchmark replays exactly these batches (`benchmarks/throughput.py`, `RecordingPool`)."""
 
     finished: list[int]
     failed: list[int]

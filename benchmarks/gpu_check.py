@@ -1,6 +1,6 @@
 """The GPU check of a bare CUDA node (issue 20, item 5): what can be measured with PyTorch and transformers alone.
 
-Runs on an air-gapped CUDA machine with Python 3.12, torch and transformers and nothing else but this package's source
+Runs on an air-gapped CUDA machine with Python 3.12, torch and transformers and nothing else but this checkout's source
 (no Ray, no vLLM, no pyarrow/polars, no network): only `pipeline.agents` is imported, never the driver or Ray. It
 measures, on the model given (`smollm2-135m-instruct`, `tiny` for the random test Llama, or a model folder):
 
@@ -147,41 +147,14 @@ def throughput(agent, requests: Sequence[AgentRequest], batch_size: int, device:
 
 
 def floor_ratio(model_dir: str, seconds: float, tokens: int, dtype: str, device: str) -> dict[str, float]:
-    """`seconds` over the compute floor of `tokens` prompt tokens. Uses the real-LLM speed benchmark's functions
-    (`pipeline.perf.floor`, branch llmspeed) when present, else the same arithmetic here: FLOPs per token = 2 x the
-    model's parameters, GEMM rate = the best of torch matmuls at the model's MLP shape, measured now."""
-    try:
-        from pipeline.perf.floor import (
-            floor_seconds,
-            flops_per_token,
-            gemm_rate,
-            model_shapes,
-        )
+    """`seconds` over the compute floor of `tokens` prompt tokens (`benchmarks.floor`: FLOPs per token = 2 x the
+    model's matmul parameters, GEMM rate = the best of torch matmuls at the model's shapes, measured now)."""
+    from benchmarks.floor import floor_seconds, flops_per_token, gemm_rate, model_shapes
 
-        per_token = flops_per_token(model_dir)
-        rate = gemm_rate(model_shapes(model_dir), dtype=dtype, device=device)["best"]
-        floor = floor_seconds(tokens, per_token, rate)
-        source = "pipeline.perf.floor"
-    except ImportError:
-        import torch
-        from transformers import AutoConfig
-
-        cfg = AutoConfig.from_pretrained(model_dir)
-        h, inter, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-        per_layer = 4 * h * h + 3 * h * inter  # attention projections (as if kv heads = heads) + gated MLP
-        per_token = 2.0 * (cfg.num_hidden_layers * per_layer + vocab * h)
-        a = torch.randn(256, h, dtype=getattr(torch, dtype), device=device)
-        b = torch.randn(h, inter, dtype=getattr(torch, dtype), device=device)
-        for _ in range(3):
-            a @ b
-        _sync(device)
-        t = time.perf_counter()
-        for _ in range(50):
-            a @ b
-        _sync(device)
-        rate = 50 * 2.0 * 256 * h * inter / (time.perf_counter() - t)
-        floor = tokens * per_token / rate
-        source = "pipeline.perf.gpu_check (fallback)"
+    per_token = flops_per_token(model_dir)
+    rate = gemm_rate(model_shapes(model_dir), dtype=dtype, device=device)["best"]
+    floor = floor_seconds(tokens, per_token, rate)
+    source = "benchmarks.floor"
     return {"flops_per_token": per_token, "gemm_flops_per_s": rate, "floor_s": floor, "seconds": seconds,
             "ratio_to_floor": seconds / floor, "floor_from": source}
 

@@ -16,6 +16,9 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]  # the repository (benchmarks/ is not installed with the package)
 
 # name -> (agent options, environment). `default` is what `--agent vllm` runs with no options on a CPU machine.
 VARIANTS: dict[str, tuple[dict, dict]] = {
@@ -85,7 +88,9 @@ def run_all(names: list[str], model: str, cases: int, top_k: int, timeout_s: flo
     for name in names:
         _, env = VARIANTS[name]
         env = {k: (_all_cpus() if v == "ALL" else v) for k, v in env.items()}
-        code = ("import json, sys; from dataclasses import asdict; from pipeline.perf.engine import run_variant; "
+        # the child imports this module from the same checkout: the repository root first on its path
+        code = (f"import json, sys; sys.path.insert(0, {str(ROOT)!r}); from dataclasses import asdict; "
+                "from benchmarks.engine import run_variant; "
                 f"print('RESULT ' + json.dumps(asdict(run_variant({name!r}, {model!r}, {cases}, {top_k}))))")
         done = subprocess.run([sys.executable, "-c", code], env=os.environ | env, capture_output=True, text=True,
                               timeout=timeout_s)
