@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -28,6 +28,7 @@ from pipeline.game.estimators import (
 )
 from pipeline.game.plan import loo_coalitions, sampled_touch_bound
 from pipeline.game.sparse import SparseTable
+from pipeline.store.rows import AttributionRow, ClearanceRow, InteractionRow
 
 # A value table: dense (exact plans, 2^K floats) or sparse (sampled plans: only the coalitions evaluated).
 ValueTable = np.ndarray | SparseTable
@@ -185,42 +186,9 @@ def no_clearance_reason(result: Clearance, harmful: int) -> str | None:
 
 
 @dataclass(frozen=True)
-class ClearanceRow:
-    """One query's clearance decision, typed until the writer makes it a row of `clearances/` (`as_row`). Fields in
-    the order of `pipeline.store.schemas.CLEARANCES`, whose comments say what each holds; a test keeps the two in
-    step."""
-
-    run_id: str
-    pool_id: str
-    query_id: str
-    context_hash: str
-    question: str
-    gold: str
-    options: list[str]
-    answer_before: str | None
-    answer_after: str | None
-    cleared: list[str]  # memory ids suppressed for this query only, most harmful first
-    baseline_utility: float
-    cleared_utility: float
-    gain: float
-    baseline_correct: bool
-    recovered: bool | None  # null when the full context was already answered right
-    reason: str | None  # why nothing was cleared; None when something was
-    harmful: int
-    candidates: int
-    evaluations: int
-    estimator: str
-
-    def as_row(self) -> dict:
-        # Shallow: `dataclasses.asdict` deep-copies the lists and took 0.63 ms a case, more than the rest of streaming
-        # the case out; the row goes straight to the writer, which copies it into Arrow.
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-@dataclass(frozen=True)
 class CaseRows:
-    attributions: list[dict]
-    interactions: list[dict]
+    attributions: list[AttributionRow]
+    interactions: list[InteractionRow]
     clearance: ClearanceRow
     result: Clearance
 
@@ -236,20 +204,20 @@ def finalize(state: CaseState, run_id: str, tau: float, kappa: float) -> CaseRow
     stop_reason = None if legacy else state.stop
     base = {"run_id": run_id, "pool_id": q.pool_id, "query_id": q.query_id}
     attributions = [
-        {
+        AttributionRow(
             **base,
-            "memory_id": ctx.memory_ids[i],
-            "position": i,
-            "loo": float(loo[i]),
-            "loo_inconclusive": bool(abs(loo[i]) <= kappa),
-            "shapley": float(state.phi[i]),
-            "shapley_se": float(state.se[i]),
-            "harmful": i in rank_of,
-            "rank": rank_of.get(i),
-            "estimator": plan.estimator,
-            "permutations": state.used,
-            "stop_reason": stop_reason,
-        }
+            memory_id=ctx.memory_ids[i],
+            position=i,
+            loo=float(loo[i]),
+            loo_inconclusive=bool(abs(loo[i]) <= kappa),
+            shapley=float(state.phi[i]),
+            shapley_se=float(state.se[i]),
+            harmful=i in rank_of,
+            rank=rank_of.get(i),
+            estimator=plan.estimator,
+            permutations=state.used,
+            stop_reason=stop_reason,
+        )
         for i in range(plan.k)
     ]
     if plan.estimator == "exact" or state.stored == 1 << plan.k:
@@ -259,16 +227,16 @@ def finalize(state: CaseState, run_id: str, tau: float, kappa: float) -> CaseRow
         inter, support = interactions_from_evaluated(state.values)
     labels = interaction_labels(inter, state.phi, tau)
     interactions = [
-        {
+        InteractionRow(
             **base,
-            "memory_a": ctx.memory_ids[i],
-            "memory_b": ctx.memory_ids[j],
-            "position_a": i,
-            "position_b": j,
-            "interaction": float(inter[i, j]),
-            "label": str(labels[i, j]),
-            "support": int(support[i, j]),
-        }
+            memory_a=ctx.memory_ids[i],
+            memory_b=ctx.memory_ids[j],
+            position_a=i,
+            position_b=j,
+            interaction=float(inter[i, j]),
+            label=str(labels[i, j]),
+            support=int(support[i, j]),
+        )
         for i in range(plan.k)
         for j in range(i + 1, plan.k)
     ]

@@ -23,7 +23,7 @@ from pipeline.agents import AgentSpec, build_agent
 from pipeline.agents.base import Agent
 from pipeline.agents.utility import in_mode, outcome
 from pipeline.audit.cases import Case
-from pipeline.audit.reduce import CaseState, ClearanceRow, advance, finalize
+from pipeline.audit.reduce import CaseState, advance, finalize
 from pipeline.core.errors import (
     AgentStartError,
     ConfigError,
@@ -33,6 +33,16 @@ from pipeline.core.errors import (
 from pipeline.core.text import gold_index
 from pipeline.game import GamePlan
 from pipeline.game.plan import popcount
+from pipeline.store.rows import (
+    AttributionRow,
+    ClearanceRow,
+    ContextRow,
+    ErrorRow,
+    InteractionRow,
+    UtilityRow,
+    columns,
+    table_columns,
+)
 from pipeline.store.schemas import (
     ATTRIBUTIONS,
     CLEARANCES,
@@ -269,7 +279,7 @@ def utility_columns(s: CaseSettings, case: Case, res: ItemResult, utility: np.nd
     def pick(values: list) -> list:
         return [v for v, k in zip(values, keep) if k]
 
-    return {
+    return columns(UtilityRow, {
         "run_id": [s.run_id] * n,
         "pool_id": [q.pool_id] * n,
         "query_id": [q.query_id] * n,
@@ -286,7 +296,7 @@ def utility_columns(s: CaseSettings, case: Case, res: ItemResult, utility: np.nd
         "prompt_tokens": pick(res.prompt_tokens),
         "cached_tokens": pick(res.cached_tokens),
         "latency_s": pick(res.latency_s),
-    }
+    })
 
 
 def error_rows(run_id: str, case: Case, res: ItemResult, utility: np.ndarray) -> list[dict]:
@@ -295,21 +305,22 @@ def error_rows(run_id: str, case: Case, res: ItemResult, utility: np.ndarray) ->
     base = {"run_id": run_id, "pool_id": q.pool_id, "query_id": q.query_id, "context_hash": c.context_hash,
             "stage": res.stage}
     if res.error is not None:
-        return [base | {"coalition": None, "kind": "agent_error", "reason": res.error}]
+        return [ErrorRow(**base, coalition=None, kind="agent_error", reason=res.error).as_row()]
     rows = []
     for m, u in zip(res.masks.tolist(), utility.tolist()):
         if not np.isfinite(u):
-            rows.append(base | {"coalition": m, "kind": "non_finite_utility",
-                                "reason": f"utility {u} (agent answer unusable)"})
+            rows.append(ErrorRow(**base, coalition=m, kind="non_finite_utility",
+                                 reason=f"utility {u} (agent answer unusable)").as_row())
         elif not 0.0 <= u <= 1.0:
-            rows.append(base | {"coalition": m, "kind": "utility_out_of_range", "reason": f"utility {u}; allowed 0..1"})
+            rows.append(ErrorRow(**base, coalition=m, kind="utility_out_of_range",
+                                 reason=f"utility {u}; allowed 0..1").as_row())
     return rows
 
 
 def context_columns(run_id: str, cases: list[Case]) -> dict[str, list]:
     """`contexts/` columns of the cases: one row per memory of each frozen context, in retrieval order."""
     ctx = [c.context for c in cases]
-    return {
+    return columns(ContextRow, {
         "run_id": [run_id] * sum(c.k for c in ctx),
         "pool_id": [c.query.pool_id for c in cases for _ in range(c.k)],
         "query_id": [c.query.query_id for c in cases for _ in range(c.k)],
@@ -320,11 +331,12 @@ def context_columns(run_id: str, cases: list[Case]) -> dict[str, list]:
         "retrieval_score": [v for c in ctx for v in c.scores],
         "bm25_rank": [v for c in ctx for v in c.bm25_ranks],
         "dense_rank": [v for c in ctx for v in c.dense_ranks],
-    }
+    })
 
 
-def _table(rows: list[dict], schema: pa.Schema) -> pa.Table | None:
-    return rows_to_table({n: [r.get(n) for r in rows] for n in schema.names}, schema) if rows else None
+def _table(rows: list, schema: pa.Schema) -> pa.Table | None:
+    """Typed rows (`pipeline.store.rows`) as an Arrow table of `schema`."""
+    return rows_to_table(table_columns(rows, schema.names), schema) if rows else None
 
 
 def _columns_table(blocks: list[dict[str, list]], schema: pa.Schema) -> pa.Table | None:
@@ -371,8 +383,8 @@ def run_cases(agent: Agent, tasks: list[CaseTask], s: CaseSettings) -> CasesDone
                 errors.extend(bad)
                 failed.append(res.case_index)
         alive = [ci for ci in alive if ci not in failed]
-    attributions: list[dict] = []
-    interactions: list[dict] = []
+    attributions: list[AttributionRow] = []
+    interactions: list[InteractionRow] = []
     clearances: list[ClearanceRow] = []
     for ci in alive:
         if not states[ci].complete:  # a bug: advance asked for nothing, yet the case cannot be reduced
@@ -386,7 +398,7 @@ def run_cases(agent: Agent, tasks: list[CaseTask], s: CaseSettings) -> CasesDone
                      utilities=_columns_table(utilities, UTILITIES),
                      attributions=_table(attributions, ATTRIBUTIONS),
                      interactions=_table(interactions, INTERACTIONS),
-                     clearances_table=_table([c.as_row() for c in clearances], CLEARANCES),
+                     clearances_table=_table(clearances, CLEARANCES),
                      errors=errors, calls=calls)
 
 

@@ -21,7 +21,7 @@ CURATION = pa.schema(
         ("rank", pa.int32()),  # 1 = most often harmful (ties: worst Shapley value first)
         ("pool_id", pa.string()),
         ("memory_id", pa.string()),
-        ("text", pa.string()),  # null when the runs predate memory text in contexts/
+        ("text", pa.string()),  # the memory's text from the runs' contexts/
         ("harmful_queries", pa.int32()),  # (run, query) pairs where shapley < -tau
         ("retrieved_queries", pa.int32()),  # (run, query) pairs whose frozen context held it
         ("distinct_queries", pa.int32()),  # distinct query ids where it was harmful

@@ -39,7 +39,10 @@ def is_run(path: str | Path) -> bool:
 
 
 def load_run(path: str | Path) -> Run:
-    """A finished run, every part verified and every column present (one line naming the file otherwise)."""
+    """A finished run, every part verified and every column of its schema present: a part that lacks one is one line
+    naming the file and the column (`pipeline.store.parts.read_dataset`, exit 2), never a column of defaults. There is
+    no per-column allowance for older runs: every part of schema version 1 has every column (a part of another version
+    is refused by its version)."""
     p = Path(path)
     manifest = manifests.finished(p)
     when = datetime.fromtimestamp(manifests.path(p).stat().st_mtime, tz=timezone.utc).isoformat(timespec="milliseconds")
@@ -54,11 +57,6 @@ def load_run(path: str | Path) -> Run:
         .join(keys, on=["pool_id", "query_id", "context_hash"], how="semi")
     )
     return Run(p, manifest, when, clear, read["attributions"], read["interactions"], read["contexts"], util)
-
-
-def col(df: pl.DataFrame, name: str, default=None) -> list:
-    """A column as a list, or defaults for runs written before the column existed."""
-    return df[name].to_list() if name in df.columns else [default] * df.height
 
 
 def pool_summary(run: Run) -> list[dict]:
@@ -109,8 +107,6 @@ def harmful_memories(run: Run) -> dict[tuple[str, str], int]:
 
 
 def memory_texts(run: Run) -> dict[tuple[str, str], str]:
-    if "text" not in run.contexts.columns:
-        return {}
     t = run.contexts.select("pool_id", "memory_id", "text").unique(subset=["pool_id", "memory_id"], keep="first")
     return {(r[0], r[1]): r[2] for r in t.iter_rows()}
 
@@ -118,7 +114,7 @@ def memory_texts(run: Run) -> dict[tuple[str, str], str]:
 def _status(row: dict) -> str:
     if row["baseline_correct"]:
         return "correct"
-    return "recovered" if row.get("recovered") else "wrong"
+    return "recovered" if row["recovered"] else "wrong"
 
 
 def query_records(run: Run) -> list[dict]:
@@ -138,7 +134,7 @@ def query_records(run: Run) -> list[dict]:
         a = att[key]
         k = a.height
         c = ctx.get(key)
-        texts = col(c, "text", "") if c is not None else [""] * k
+        texts = c["text"].to_list() if c is not None else [""] * k
         ids = a["memory_id"].to_list()
         matrix = np.full((k, k), np.nan)
         labels = [["" for _ in range(k)] for _ in range(k)]
@@ -155,13 +151,13 @@ def query_records(run: Run) -> list[dict]:
             cands.append({"removed": [ids[p] for p in ranked[:n]], "utility": u, "correct": ok, "answer": ans,
                           "chosen": len(row["cleared"]) == n})
         records.append({
-            "pool": row["pool_id"], "query": row["query_id"], "question": row.get("question") or "",
-            "gold": row.get("gold") or "", "options": row.get("options") or [],
-            "before": row.get("answer_before"), "after": row.get("answer_after"),
+            "pool": row["pool_id"], "query": row["query_id"], "question": row["question"] or "",
+            "gold": row["gold"] or "", "options": row["options"] or [],
+            "before": row["answer_before"], "after": row["answer_after"],
             "baseline": row["baseline_utility"], "cleared_utility": row["cleared_utility"], "gain": row["gain"],
             "baseline_correct": row["baseline_correct"],
-            "recovered": row.get("recovered") if not row["baseline_correct"] else None,
-            "reason": row.get("reason"), "cleared": list(row["cleared"]), "harmful": row["harmful"],
+            "recovered": row["recovered"] if not row["baseline_correct"] else None,
+            "reason": row["reason"], "cleared": list(row["cleared"]), "harmful": row["harmful"],
             "evaluations": row["evaluations"], "estimator": row["estimator"], "status": _status(row),
             "tau": tau,
             "memories": [

@@ -57,10 +57,13 @@ def check_schema(path: Path, schema: pa.Schema) -> None:
     if raw and version != str(SCHEMA_VERSION):
         raise SchemaVersionError(f"{path}: schema version {version}; this meclear reads and writes version "
                                  f"{SCHEMA_VERSION}; use the meclear that wrote it, or another folder")
+    # every missing column before any retyped one: a part rewritten without a column (by polars, whose strings are
+    # large_string) is named by the column it lacks
+    missing = [f.name for f in schema if f.name not in got.names]
+    if missing:
+        raise SchemaVersionError(f"{path}: no column '{missing[0]}' (schema version {version}; this meclear reads "
+                                 f"version {SCHEMA_VERSION})")
     for f in schema:
-        if f.name not in got.names:
-            raise SchemaVersionError(f"{path}: no column '{f.name}' (schema version {version}; this meclear reads "
-                                     f"version {SCHEMA_VERSION})")
         if not got.field(f.name).type.equals(f.type):
             raise SchemaVersionError(f"{path}: column '{f.name}' is {got.field(f.name).type}, expected {f.type} "
                                      f"(schema version {version}; this meclear reads version {SCHEMA_VERSION})")
@@ -98,6 +101,14 @@ def good_files(folder: Path, name: str, schema: pa.Schema) -> list[Path]:
     return good
 
 
+def _footer_reads(path: Path) -> bool:
+    try:
+        pq.read_schema(path)
+    except (pa.ArrowException, OSError):
+        return False
+    return True
+
+
 def read_dataset(folder: Path, name: str, schema: pa.Schema):
     """Dataset `name` of a run `report` or `curate` reads, as a polars DataFrame: every part verified and checked for
     every column of `schema`; a damaged part or a missing column is one line naming the file (and the column)."""
@@ -109,6 +120,10 @@ def read_dataset(folder: Path, name: str, schema: pa.Schema):
     for p in files:
         why = damage(p)
         if why is not None:
+            # A part rewritten in place (with polars, say) no longer hashes to its name; if it is readable and lacks a
+            # column, that is the more useful line: name the column.
+            if _footer_reads(p):
+                check_schema(p, schema)
             raise InputError(p, "", None, f"damaged part ({why}); rerun `meclear audit --out {folder}` to set it "
                                           "aside and evaluate it again")
         check_schema(p, schema)
