@@ -18,6 +18,7 @@ from typing import Any, Mapping, Sequence
 from pipeline.agents import llm_filter, prompts
 from pipeline.agents.base import AgentRequest, AgentResponse
 from pipeline.agents.llm_config import (
+    LLMConfig,
     agent_fingerprint_fields,
     check_common,
     resolved_scoring,
@@ -31,27 +32,12 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class TransformersConfig:
-    """Settings of the transformers agent. `model` is a local folder or a hub name (loaded offline under
-    HF_HUB_OFFLINE).
+class TransformersConfig(LLMConfig):
+    """Settings of the transformers agent: the shared ones (`LLMConfig`: model, dtype, scoring, ...), then the device
+    (cpu, cuda or cuda:N) and the requests per forward pass."""
 
-    n_samples > 0 draws that many extra answers per open question at `temperature` (seeded by `seed`);
-    max_tokens bounds an open answer; max_options is the most options a multiple-choice request may have.
-    scoring: letter (next-token letter probabilities), cloze (option-text log-likelihood, normalised by `cloze_norm`:
-    sum or mean) or auto (the model's default, see `pipeline.agents.llm_config.resolved_scoring`).
-    """
-
-    model: str
-    dtype: str = "auto"
     device: str = "cpu"
     batch_size: int = 8
-    max_options: int = 10
-    max_tokens: int = 32
-    n_samples: int = 0
-    temperature: float = 0.7
-    seed: int = 0
-    scoring: str = "auto"
-    cloze_norm: str = "mean"
 
     def __post_init__(self) -> None:
         where = "transformers agent config"

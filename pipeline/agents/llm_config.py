@@ -1,13 +1,37 @@
-"""Validation shared by the LLM agents' configs (vLLM and transformers): the fields both have mean the same thing."""
+"""The settings both LLM agents have (vLLM and transformers), declared once (`LLMConfig`), and their validation."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 from pipeline.agents import prompts
 from pipeline.core.validation import check
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class LLMConfig:
+    """The settings both LLM agents have; each agent's config adds its own and validates them all (`check_common`).
+    `model` is a local folder or a hub name (loaded offline under HF_HUB_OFFLINE).
+
+    max_options is the most options a multiple-choice request may have; max_tokens bounds an open (greedy) answer, and
+    n_samples > 0 draws that many extra answers per open question at `temperature` (seeded by `seed`). scoring: letter
+    (next-token letter probabilities), cloze (option-text log-likelihood, normalised by `cloze_norm`: sum or mean) or
+    auto (the model's default, `resolved_scoring`). Fingerprints hash the settings by name (sorted keys), so declaring
+    them here rather than in each config left every agent fingerprint as it was (`tests/test_llm_config_fingerprints`).
+    """
+
+    model: str
+    dtype: str = "auto"
+    max_options: int = 10
+    max_tokens: int = 32
+    n_samples: int = 0
+    temperature: float = 0.7
+    seed: int = 0
+    scoring: str = "auto"
+    cloze_norm: str = "mean"
 
 
 def check_common(cfg: Any, where: str, positive_ints: Sequence[str]) -> None:

