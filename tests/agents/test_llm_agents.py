@@ -16,18 +16,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pipeline.agents import llm_filter, prompts
+from pipeline.agents.base import AgentRequest
+from pipeline.core.errors import ConfigError
+
 # hf_agent, ray_session, tiny_model and vllm_agent are module-scoped fixtures
-from llm_fixtures import (  # noqa: F401
+from tests.llm_fixtures import (  # noqa: F401
     CROSS_BACKEND_TOL,
     hf_agent,
     ray_session,
     tiny_model,
     vllm_agent,
 )
-
-from pipeline.agents import llm_filter, prompts
-from pipeline.agents.base import AgentRequest
-from pipeline.core.errors import ConfigError
 
 QUESTION = "Where does the user live?"
 OPTIONS = ("Paris", "Rome", "Oslo", "Lima")

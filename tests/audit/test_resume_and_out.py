@@ -14,12 +14,12 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from test_audit_local import audit
 
 from pipeline.audit.run import sample_paths
 from pipeline.cli.main import main
+from tests.audit.test_audit_local import audit
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REDUCTIONS = ("contexts", "attributions", "interactions", "clearances")
 KEY = ["pool_id", "query_id", "context_hash", "coalition", "agent", "utility_mode"]
 
@@ -178,7 +178,8 @@ def test_out_with_foreign_files_is_refused_and_untouched(tmp_path, capsys, forei
 
 def test_non_finite_utilities_go_to_errors_and_the_run_finishes_non_zero(tmp_path, capsys, monkeypatch):
     # An agent that answers NaN probabilities for coalitions of 3 or more memories. (`--agent-option beta=.inf` once
-    # did this; agent options must now be finite, so that is exit 2 before any work, tests/test_bad_input_catalogue.py.)
+    # did this; agent options must now be finite, so that is exit 2 before any work,
+    # tests/cli/test_bad_input_catalogue.py.)
     from pipeline.agents.base import AgentResponse
     from pipeline.agents.reader import ReaderAgent
 

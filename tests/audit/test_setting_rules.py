@@ -17,7 +17,7 @@ from pipeline.bench.config import EvalConfig
 from pipeline.bench.methods import MethodConfig
 from pipeline.core.errors import ConfigError
 
-PACKAGE = Path(__file__).resolve().parents[1] / "pipeline"
+PACKAGE = Path(__file__).resolve().parents[2] / "pipeline"
 DECLARED = {"tau", "kappa", "top_k", "permutations", "utility", "seed", "budget"}
 
 # Every call of a rule: (module, setting). A new config holding a shared setting adds its call here.

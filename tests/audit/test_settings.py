@@ -105,9 +105,8 @@ def test_eval_max_queries_bounds_the_queries_tried_per_conversation(tmp_path, ca
     """`meclear eval --max-queries N` clean-checks only the first N eligible queries of each conversation."""
     import json
 
-    from data_paths import LOCOMO
-
     from pipeline.cli.main import main
+    from tests.data_paths import LOCOMO
 
     if not LOCOMO.exists():
         pytest.skip("LoCoMo is not beside the checkout")

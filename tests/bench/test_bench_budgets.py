@@ -9,8 +9,6 @@ import tracemalloc
 
 import numpy as np
 import pytest
-from data_paths import LOCOMO
-from golden import run_cli
 
 from pipeline.agents.reader import ReaderAgent
 from pipeline.audit.cases import Case
@@ -27,6 +25,8 @@ from pipeline.bench.methods import (
 from pipeline.core.errors import ConfigError
 from pipeline.io.records import Query
 from pipeline.retrieval.frozen import FrozenContext
+from tests.data_paths import LOCOMO
+from tests.golden import run_cli
 
 QUERY = Query("q1", "conv-x", "Where did Ana move?", "Bergen", ("Bergen", "Gdansk"), "1")
 

@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import pytest
-from data_paths import LOCOMO
 
 from pipeline.agents.reader import ReaderAgent
 from pipeline.bench.builder import BuildConfig, build_pool, check_masks, passes, verify
@@ -25,6 +24,7 @@ from pipeline.core.provenance import sha256_file
 from pipeline.io.locomo import load_locomo
 from pipeline.io.records import Memory, Pool
 from pipeline.retrieval.frozen import Retriever
+from tests.data_paths import LOCOMO
 
 needs_locomo = pytest.mark.skipif(not LOCOMO.is_file(), reason=f"{LOCOMO} not available")
 METHODS = ("meclear_l4", "meclear_l8", "meclear_l16", "meclear_exact", "loo", "loo_threshold", "contextcite",
@@ -193,7 +193,7 @@ def test_ray_executor_gives_the_same_rows_as_local(ray_session, tmp_path):
 def test_ray_job_entry_point_reads_a_yaml_config(tmp_path):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("fi_locomo", Path(__file__).parents[1] / "jobs" / "fi_locomo.py")
+    spec = importlib.util.spec_from_file_location("fi_locomo", Path(__file__).parents[2] / "jobs" / "fi_locomo.py")
     job = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(job)
     job_main = job.main

@@ -12,7 +12,7 @@ import pytest
 
 from pipeline.cli.main import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MEM = [{"memory_id": "m1", "text": "Ana moved to Lisbon last spring."},
        {"memory_id": "m2", "text": "Ana is allergic to peanuts."}]
 QRY = [{"query_id": "q1", "question": "Where does Ana live?", "answer": "Lisbon", "options": ["Lisbon", "Porto"]}]

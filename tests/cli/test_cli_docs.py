@@ -16,7 +16,7 @@ from pipeline.audit.run import AuditConfig, AuditResult, InputSpec
 from pipeline.cli.main import build_parser, print_summary, safe
 from pipeline.core.progress import progress_bar
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _audit_parser() -> argparse.ArgumentParser:

@@ -40,7 +40,7 @@ def _gone(pid: int, timeout_s: float = 15.0) -> bool:
 @contextmanager
 def _owner(script: str):
     """Run `script` as the owner process; yields (owner, child pid, watcher pid); kills what is left afterwards."""
-    env = os.environ | {"PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    env = os.environ | {"PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))}
     owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
     child, watcher = map(int, owner.stdout.readline().split())
     try:

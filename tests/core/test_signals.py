@@ -14,10 +14,11 @@ from pathlib import Path
 
 import psutil
 import pytest
-from data_paths import LOCOMO
-from test_llm_startup import _alive
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.agents.test_llm_startup import _alive
+from tests.data_paths import LOCOMO
+
+ROOT = Path(__file__).resolve().parents[2]
 
 SLOW_CLI = """
 import sys, time

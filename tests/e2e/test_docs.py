@@ -14,7 +14,7 @@ import pytest
 from pipeline.cli import clidoc
 from pipeline.cli.main import build_parser
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 CLI_MD = ROOT / "docs" / "cli.md"
 ARCHITECTURE = ROOT / "docs" / "architecture.md"

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("MECLEAR_VENV_CACHE", Path.home() / ".cache" / "meclear-ci"))
 # keyed by the project table only (dependencies and extras), so tool settings (ruff, pytest) keep the cache
 KEY = hashlib.sha256(json.dumps(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"], sort_keys=True)

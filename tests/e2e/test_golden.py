@@ -4,9 +4,10 @@ A deliberate change of behaviour regenerates them (`python tests/golden.py --wri
 
 from __future__ import annotations
 
-import golden
 import pytest
-from data_paths import LOCOMO
+
+from tests import golden
+from tests.data_paths import LOCOMO
 
 
 def _diff(expected: list, actual: list) -> str:

@@ -10,7 +10,7 @@ import pytest
 from pipeline.audit.run import load_job_config
 from pipeline.core.errors import ConfigError
 
-JOBS = Path(__file__).resolve().parents[1] / "jobs" / "configs"
+JOBS = Path(__file__).resolve().parents[2] / "jobs" / "configs"
 
 
 def test_shipped_nightly_config_loads_and_expands_the_date():

@@ -6,9 +6,9 @@ from __future__ import annotations
 import shlex
 
 import yaml
-from data_paths import REPO
 
 from pipeline.audit.run import load_job_config
+from tests.data_paths import REPO
 
 KUBE = REPO / "cluster" / "kuberay"
 

@@ -18,10 +18,10 @@ from typing import Iterator
 
 import polars as pl
 import pytest
-from llm_fixtures import CROSS_BACKEND_TOL, _vllm_env, has_module, tiny_model  # noqa: F401  (tiny_model: fixture)
 
 from pipeline.cli.main import main
 from pipeline.exec.ray_pool import agent_runtime_env
+from tests.llm_fixtures import CROSS_BACKEND_TOL, _vllm_env, has_module, tiny_model  # noqa: F401  (tiny_model: fixture)
 
 QUERIES = 4
 K = 5

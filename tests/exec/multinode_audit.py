@@ -1,9 +1,9 @@
 """A two-node Ray cluster on this machine, an audit with agent actors on both nodes, the worker node removed mid-run.
 
-Run by tests/test_ray_multinode.py in a process of its own (`python tests/multinode_audit.py OUT REPORT`), because it
-starts its own cluster (`ray.cluster_utils.Cluster`: a head with 2 CPUs and a worker node with 1), which must not meet
-the test session's Ray. RAY_TMPDIR is set by the caller to a private folder, so the cluster's sockets, logs and address
-file stay out of /tmp/ray, where other clusters on the machine live.
+Run by tests/exec/test_ray_multinode.py in a process of its own (`python tests/exec/multinode_audit.py OUT REPORT`),
+because it starts its own cluster (`ray.cluster_utils.Cluster`: a head with 2 CPUs and a worker node with 1), which
+must not meet the test session's Ray. RAY_TMPDIR is set by the caller to a private folder, so the cluster's sockets,
+logs and address file stay out of /tmp/ray, where other clusters on the machine live.
 
 Actor 0 is placed on the head and actor 1 on the worker node, each by a soft node affinity: soft, so that when the
 worker node is gone Ray restarts actor 1 (`max_restarts`, pipeline.exec.ray_pool) on the head, where one CPU is free,

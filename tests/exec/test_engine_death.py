@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from test_resume_and_out import _assert_same_outputs
 
 from pipeline.agents import AgentSpec
 from pipeline.audit.run import AuditConfig, InputSpec, run_audit
@@ -16,6 +15,7 @@ from pipeline.core.errors import EngineDeadError
 from pipeline.exec.pools import LocalPool
 from pipeline.testing.faults import DyingAgent
 from pipeline.testing.faults import EngineDeadError as FakeEngineDead
+from tests.audit.test_resume_and_out import _assert_same_outputs
 
 
 class OutOfMemoryError(RuntimeError):

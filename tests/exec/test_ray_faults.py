@@ -8,9 +8,6 @@ import os
 import signal
 
 import pytest
-from data_paths import LOCOMO
-from test_audit_local import audit
-from test_resume_and_out import _assert_same_outputs
 
 from pipeline.agents import AgentSpec
 from pipeline.audit.actors import start_agent_pool
@@ -18,6 +15,9 @@ from pipeline.audit.run import AuditConfig, InputSpec, run_audit
 from pipeline.cli.main import main
 from pipeline.core.errors import AgentStartError
 from pipeline.exec.ray_pool import RayPool
+from tests.audit.test_audit_local import audit
+from tests.audit.test_resume_and_out import _assert_same_outputs
+from tests.data_paths import LOCOMO
 
 pytestmark = pytest.mark.ray
 

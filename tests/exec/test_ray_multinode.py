@@ -2,8 +2,8 @@
 run completes by itself, every coalition exactly once, and its outputs equal an undisturbed run's.
 
 The cluster (`ray.cluster_utils.Cluster`, head + one worker node on this machine) runs in a process of its own
-(tests/multinode_audit.py) with a private RAY_TMPDIR, so it never meets the session's Ray (`ray_session`) or another
-cluster on the machine, and is gone when that process ends."""
+(tests/exec/multinode_audit.py) with a private RAY_TMPDIR, so it never meets the session's Ray (`ray_session`) or
+another cluster on the machine, and is gone when that process ends."""
 
 from __future__ import annotations
 
@@ -17,11 +17,12 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from test_audit_local import audit
-from test_resume_and_out import KEY, _assert_same_outputs
+
+from tests.audit.test_audit_local import audit
+from tests.audit.test_resume_and_out import KEY, _assert_same_outputs
 
 pytestmark = pytest.mark.ray
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_worker_node_removed_mid_run_completes_with_the_undisturbed_outputs(tmp_path):
@@ -32,7 +33,8 @@ def test_worker_node_removed_mid_run_completes_with_the_undisturbed_outputs(tmp_
                         "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
     try:
-        proc = subprocess.run([sys.executable, str(ROOT / "tests" / "multinode_audit.py"), str(out), str(report)],
+        script = Path(__file__).with_name("multinode_audit.py")
+        proc = subprocess.run([sys.executable, str(script), str(out), str(report)],
                               env=env, capture_output=True, timeout=300)
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)

@@ -8,12 +8,12 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from data_paths import LOCOMO
 
 from pipeline.cli.main import main
 from pipeline.core.errors import InputError
 from pipeline.io.loaders import load_pools, load_queries
 from pipeline.io.locomo import load_locomo
+from tests.data_paths import LOCOMO
 
 
 def write_jsonl(path: Path, rows: list) -> Path:

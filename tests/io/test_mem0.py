@@ -13,7 +13,7 @@ from pipeline.cli.main import main
 from pipeline.core.errors import InputError
 from pipeline.io.mem0 import load_mem0
 
-FIXTURE = Path(__file__).parent / "fixtures" / "mem0"
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "mem0"
 
 
 def test_fixture_loads_as_pools_by_user():

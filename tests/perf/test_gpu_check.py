@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # Loaded before anything else in the child: any import of these packages fails, as on a bare CUDA node.
 BLOCK = """
 import importlib.abc, sys

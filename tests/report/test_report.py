@@ -10,13 +10,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from chromium import dump_dom, needs_chromium, screenshot
-from data_paths import LOCOMO
 from matplotlib.image import imread
 
 from pipeline.audit.run import AuditConfig, InputSpec, audit, sample_paths
 from pipeline.cli.main import main
 from pipeline.report.page import json_for_script
+from tests.chromium import dump_dom, needs_chromium, screenshot
+from tests.data_paths import LOCOMO
 
 FAST = AuditConfig(executor="local", dense="off")
 PAYLOAD = ("<script>alert(1)</script> "

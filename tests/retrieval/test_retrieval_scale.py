@@ -12,13 +12,13 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from data_paths import LOCOMO, REPO
 
 from pipeline.core.text import tokens
 from pipeline.io.loaders import load_pools, load_queries
 from pipeline.io.records import Memory, Pool
 from pipeline.retrieval.embeddings import EmbeddingCache, MiniLMEncoder, embed_cached
 from pipeline.retrieval.frozen import BM25, Retriever, _ranks
+from tests.data_paths import LOCOMO, REPO
 
 SAMPLE = REPO / "pipeline" / "data" / "sample"
 needs_minilm = pytest.mark.skipif(not MiniLMEncoder.available(), reason="dense extra not installed")
@@ -105,8 +105,7 @@ def test_cached_vectors_equal_fresh_ones(tmp_path):
 
 _RUN = """
 import json, sys
-sys.path.insert(0, {tests!r})
-from test_retrieval_scale import _pools_queries
+from tests.retrieval.test_retrieval_scale import _pools_queries
 from pipeline.retrieval.frozen import Retriever
 out = []
 for which, dense, kept in {jobs!r}:
@@ -120,7 +119,7 @@ print(json.dumps(out))
 
 def _retrieve_in_fresh_process(jobs, cache, hash_seed):
     env = {**os.environ, "PYTHONHASHSEED": str(hash_seed), "PYTHONPATH": str(REPO), "MECLEAR_LOCOMO": str(LOCOMO)}
-    code = _RUN.format(tests=str(REPO / "tests"), jobs=jobs, cache=str(cache))
+    code = _RUN.format(jobs=jobs, cache=str(cache))
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, cwd=REPO)
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -15,7 +15,7 @@ from pipeline.cli.main import main
 from pipeline.core.errors import OutputError
 from pipeline.store.lock import OutLock
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # One interpreter runs every trial, forking its racers (cheap: the lock module is already imported). Each trial leaves a
 # stale lock (a dead run's note, nobody holding it), then N processes wait at a common start time and try to take it.

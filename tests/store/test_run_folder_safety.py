@@ -14,12 +14,12 @@ from pathlib import Path
 import polars as pl
 import pyarrow.parquet as pq
 import pytest
-from data_paths import LOCOMO
-from golden import EVAL_ARGS
 
 from pipeline.audit.run import AuditConfig, InputSpec, audit, sample_paths
 from pipeline.cli.main import main
 from pipeline.store import writer
+from tests.data_paths import LOCOMO
+from tests.golden import EVAL_ARGS
 
 BASE = ["--executor", "local", "--dense", "off", "--no-progress"]
 
