@@ -144,7 +144,7 @@ def test_a_killed_driver_keeps_every_case_it_finished(tmp_path):
     import sys
     from pathlib import Path
 
-    from test_resume_and_out import DYING_DRIVER
+    from tests.audit.test_resume_and_out import DYING_DRIVER
 
     whole = tmp_path / "whole"
     audit(whole, utility="correct", batch_size=32)

@@ -66,10 +66,9 @@ def test_a_case_level_error_stays_case_level(tmp_path):
 
 @pytest.mark.ray
 def test_an_actor_whose_engine_dies_is_restarted_and_the_run_completes(ray_session, tmp_path):
-    from test_audit_local import audit
-
     from pipeline.audit.worker import agent_fingerprint
     from pipeline.exec.ray_pool import RayPool
+    from tests.audit.test_audit_local import audit
 
     audit(tmp_path, "local", batch_size=32)
     pools, queries, files = InputSpec().load()
