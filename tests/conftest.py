@@ -10,11 +10,14 @@ may hold files of the same name; helpers are imported from the repository root: 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
 import pytest
 
+from pipeline.audit.run import AuditConfig, InputSpec, audit
+from pipeline.store import manifest
 from tests.llm_fixtures import engine_env_defaults
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -39,6 +42,56 @@ def ray_session():
 
     with cluster_session(num_cpus=2, temp_dir=tempfile.mkdtemp(prefix="meclear-ray-")):
         yield ray
+
+
+class SampleAudits:
+    """Finished audits of the bundled sample pool, each run once per session and shared.
+
+    The settings are those of `meclear audit --executor local --dense off` (in process, BM25 only, every other setting
+    its default), with a test's overrides on top; each distinct set of settings is audited once, on first use. `run()`
+    is a shared folder, to read only (checked at the end of the session: a test that writes into it is an error).
+    `copy(dest)` is a private copy for a test that changes the run, resumes it or names it: a run folder holds no path
+    to itself, so the copy is the folder an audit into `dest` writes, bar its run_id (the same here). A test whose
+    point is how an audit runs (a fault injected, a lock, a kill) runs its own.
+    """
+
+    BASE = {"executor": "local", "dense": "off"}
+
+    def __init__(self, root: Path):
+        self._root = root
+        self._runs: dict[tuple, tuple[Path, dict]] = {}
+
+    def run(self, **settings) -> Path:
+        key = tuple(sorted(settings.items()))
+        if key not in self._runs:
+            out = self._root / f"run-{len(self._runs)}"
+            audit(InputSpec(), AuditConfig(**(self.BASE | settings)), out, progress=False)
+            self._runs[key] = (out, _stamp(out))
+        return self._runs[key][0]
+
+    def copy(self, dest: Path, **settings) -> Path:
+        shutil.copytree(self.run(**settings), dest)
+        return dest
+
+    def counts(self, **settings) -> dict[str, int]:
+        """The run's manifest counts (cases, coalitions_evaluated, ...): what its `AuditResult` said."""
+        return manifest.read(self.run(**settings)).counts
+
+    def changed(self) -> list[str]:
+        return [str(out) for out, stamp in self._runs.values() if _stamp(out) != stamp]
+
+
+def _stamp(folder: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")}
+
+
+@pytest.fixture(scope="session")
+def sample_audit(tmp_path_factory):
+    """The sample-pool audits the tests share (`SampleAudits`)."""
+    audits = SampleAudits(tmp_path_factory.mktemp("sample-audit"))
+    yield audits
+    changed = audits.changed()
+    assert not changed, f"a test wrote into a shared sample audit {changed}: ask for sample_audit.copy(dest) instead"
 
 
 # Tests that take more than a few seconds on 2 cores (durations measured with `pytest --durations`): marked `slow`, so a

@@ -81,12 +81,11 @@ def test_memory_bank_files_are_byte_identical_after_a_run(tmp_path):
     assert [hashlib.sha256(p.read_bytes()).hexdigest() for p in paths] == before
 
 
-def test_outputs_are_keyed_and_consistent(tmp_path):
-    result, _ = audit(tmp_path, utility="correct")
-    out = tmp_path / "out"
+def test_outputs_are_keyed_and_consistent(sample_audit):
+    out = sample_audit.run(utility="correct")
     ctx = pl.read_parquet(out / "contexts")
     att = pl.read_parquet(out / "attributions")
-    assert ctx.height == att.height == 5 * result.cases
+    assert ctx.height == att.height == 5 * sample_audit.counts(utility="correct")["cases"] == 5 * 36
     joined = ctx.join(att, on=["pool_id", "query_id", "position"])
     assert (joined["memory_id"] == joined["memory_id_right"]).all()
     # efficiency: per case, the Shapley values add up to v(N) - v(empty)
@@ -99,14 +98,15 @@ def test_outputs_are_keyed_and_consistent(tmp_path):
 
 
 @pytest.mark.parametrize("dense", ["off", "auto"])
-def test_sample_pool_planted_faults_fail_and_are_recovered(tmp_path, dense):
+def test_sample_pool_planted_faults_fail_and_are_recovered(sample_audit, dense):
     """Every query with planted records is answered wrongly (not by a tie) and its clearance restores the answer;
     every other query is answered correctly. Holds with BM25 alone and with hybrid retrieval."""
     pools, _, _ = InputSpec().load()
     targets = {m.metadata["query_id"] for p in pools.values() for m in p.memories if m.metadata}
-    result, _ = audit(tmp_path, utility="correct", dense=dense)
-    by_query = {c.query_id: c.as_row() for c in result.clearances}
-    util = pl.read_parquet(tmp_path / "out" / "utilities").filter(pl.col("coalition") == 31)
+    out = sample_audit.run(utility="correct", dense=dense)
+    by_query = {c["query_id"]: c for c in pl.read_parquet(out / "clearances").to_dicts()}
+    assert len(by_query) == 36
+    util = pl.read_parquet(out / "utilities").filter(pl.col("coalition") == 31)
     for qid, c in by_query.items():
         if qid in targets:
             assert not c["baseline_correct"] and c["recovered"] is True and c["cleared"] and c["reason"] is None, qid
@@ -117,4 +117,5 @@ def test_sample_pool_planted_faults_fail_and_are_recovered(tmp_path, dense):
             assert c["baseline_correct"] and not c["cleared"] and c["recovered"] is None, qid
             assert c["reason"] in ("no harmful memory", "already correct"), qid
             assert c["answer_before"] == c["answer_after"] == c["gold"], qid
-    assert result.recovered == len(targets) == result.failing
+    counts = sample_audit.counts(utility="correct", dense=dense)
+    assert counts["recovered_cases"] == len(targets) == counts["failing_cases"]

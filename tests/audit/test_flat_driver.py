@@ -71,9 +71,8 @@ def test_a_rerun_with_other_settings_leaves_only_its_own_rows(tmp_path):
     assert rows(out, "attributions") == sorted(rows(out, "attributions"), key=lambda r: list(r.values()))
 
 
-def test_resume_cache_is_read_once_per_pool_and_equals_the_whole_read(tmp_path):
-    out = tmp_path / "out"
-    audit(out)
+def test_resume_cache_is_read_once_per_pool_and_equals_the_whole_read(sample_audit):
+    out = sample_audit.run()
     whole = previous_utilities([out], _fingerprint(), "probability")
     reuse = PoolReuse([out], _fingerprint(), "probability")
     pools, queries, _ = InputSpec().load()
@@ -135,7 +134,7 @@ def test_sampled_plans_store_only_their_coalitions_and_estimate_as_dense(k):
     assert set(prefix_masks(plan.permutations).ravel()) <= set(st.values.keys.tolist())
 
 
-def test_a_killed_driver_keeps_every_case_it_finished(tmp_path):
+def test_a_killed_driver_keeps_every_case_it_finished(tmp_path, sample_audit):
     """Reductions are streamed as cases finish: after SIGKILL mid-run, clearances/ and attributions/ hold the cases
     finished before the kill, with the rows an undisturbed run writes for them."""
     import os
@@ -146,8 +145,7 @@ def test_a_killed_driver_keeps_every_case_it_finished(tmp_path):
 
     from tests.audit.test_resume_and_out import DYING_DRIVER
 
-    whole = tmp_path / "whole"
-    audit(whole, utility="correct", batch_size=32)
+    whole = sample_audit.run(utility="correct", batch_size=32)  # undisturbed, DYING_DRIVER's settings
     out = tmp_path / "killed"
     env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     proc = subprocess.run([sys.executable, "-c", DYING_DRIVER, str(out), "12"], env=env, capture_output=True,

@@ -60,30 +60,31 @@ def _assert_same_outputs(a: Path, b: Path) -> None:
     assert _frame(a, "utilities").select(cols).equals(_frame(b, "utilities").select(cols))
 
 
-def test_driver_killed_mid_evaluation_resumes_to_the_undisturbed_outputs(tmp_path):
-    whole, _ = audit(tmp_path, "whole", utility="correct", batch_size=32)
+def test_driver_killed_mid_evaluation_resumes_to_the_undisturbed_outputs(tmp_path, sample_audit):
+    whole = sample_audit.run(utility="correct", batch_size=32)  # the undisturbed run (DYING_DRIVER's settings)
+    evaluated = sample_audit.counts(utility="correct", batch_size=32)["coalitions_evaluated"]
     out = tmp_path / "killed"
     env = os.environ | {"PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-c", DYING_DRIVER, str(out), "12"], env=env, capture_output=True,
                           timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
     on_disk = pl.read_parquet(out / "utilities").height
-    assert 0 < on_disk < whole.evaluated
+    assert 0 < on_disk < evaluated
     assert json.loads((out / "manifest.json").read_text())["status"] == "running"  # never mistaken for complete
     assert (out / ".meclear.lock").exists()  # left by the dead driver: stale, taken over below
 
     second, agent = audit(tmp_path, "killed", utility="correct", batch_size=32)
-    assert second.evaluated == whole.evaluated - on_disk == sum(agent.calls.values())  # only what was missing
+    assert second.evaluated == evaluated - on_disk == sum(agent.calls.values())  # only what was missing
     util = pl.read_parquet(out / "utilities")
-    assert util.height == whole.evaluated and util.select(KEY).is_duplicated().sum() == 0  # each coalition once
+    assert util.height == evaluated and util.select(KEY).is_duplicated().sum() == 0  # each coalition once
     assert len(list((out / "utilities").glob("*.parquet"))) == 1  # compacted
-    _assert_same_outputs(out, tmp_path / "whole")
+    _assert_same_outputs(out, whole)
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["status"] == "complete" and manifest["utilities"]["rows"] == whole.evaluated
+    assert manifest["status"] == "complete" and manifest["utilities"]["rows"] == evaluated
     assert not (out / ".meclear.lock").exists()
 
     third, agent3 = audit(tmp_path, "killed", utility="correct", batch_size=32)
-    assert third.evaluated == 0 and sum(agent3.calls.values()) == 0 and third.reused == whole.evaluated
+    assert third.evaluated == 0 and sum(agent3.calls.values()) == 0 and third.reused == evaluated
 
 
 def test_partial_then_full_run_converges(tmp_path):

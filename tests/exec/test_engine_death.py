@@ -65,12 +65,10 @@ def test_a_case_level_error_stays_case_level(tmp_path):
 
 
 @pytest.mark.ray
-def test_an_actor_whose_engine_dies_is_restarted_and_the_run_completes(ray_session, tmp_path):
+def test_an_actor_whose_engine_dies_is_restarted_and_the_run_completes(ray_session, tmp_path, sample_audit):
     from pipeline.audit.worker import agent_fingerprint
     from pipeline.exec.ray_pool import RayPool
-    from tests.audit.test_audit_local import audit
 
-    audit(tmp_path, "local", batch_size=32)
     pools, queries, files = InputSpec().load()
     cfg = AuditConfig(dense="off", batch_size=32, actors=2)
     spec = AgentSpec("reader", {})
@@ -86,4 +84,4 @@ def test_an_actor_whose_engine_dies_is_restarted_and_the_run_completes(ray_sessi
     assert (tmp_path / "marker").exists(), "the engine never died: the test proved nothing"
     assert set(after) != set(pids)  # one actor is a new process
     assert result.failed == 0 and result.cases == 36
-    _assert_same_outputs(tmp_path / "ray", tmp_path / "local")
+    _assert_same_outputs(tmp_path / "ray", sample_audit.run(batch_size=32))  # the undisturbed run

@@ -15,7 +15,6 @@ from pipeline.audit.run import AuditConfig, InputSpec, run_audit
 from pipeline.cli.main import main
 from pipeline.core.errors import AgentStartError
 from pipeline.exec.ray_pool import RayPool
-from tests.audit.test_audit_local import audit
 from tests.audit.test_resume_and_out import _assert_same_outputs
 from tests.data_paths import LOCOMO
 
@@ -38,8 +37,7 @@ class KillingPool(RayPool):
         return done
 
 
-def test_agent_actor_killed_mid_run_restarts_and_outputs_match(ray_session, tmp_path):
-    audit(tmp_path, "local", utility="correct", batch_size=32)
+def test_agent_actor_killed_mid_run_restarts_and_outputs_match(ray_session, tmp_path, sample_audit):
     pools, queries, files = InputSpec().load()
     cfg = AuditConfig(utility="correct", dense="off", batch_size=32, actors=2)
     ex, fingerprint = start_agent_pool(AgentSpec("reader", {}), actors=2, pool_cls=KillingPool)
@@ -50,7 +48,7 @@ def test_agent_actor_killed_mid_run_restarts_and_outputs_match(ray_session, tmp_
     finally:
         ex.close()
     assert result.failed == 0 and result.cases == 36
-    _assert_same_outputs(tmp_path / "ray", tmp_path / "local")
+    _assert_same_outputs(tmp_path / "ray", sample_audit.run(utility="correct", batch_size=32))  # undisturbed
 
 
 def test_more_actors_than_the_cluster_holds_fail_fast_with_one_line(ray_session, tmp_path, capsys):

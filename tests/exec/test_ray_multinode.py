@@ -18,15 +18,15 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from tests.audit.test_audit_local import audit
 from tests.audit.test_resume_and_out import KEY, _assert_same_outputs
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_worker_node_removed_mid_run_completes_with_the_undisturbed_outputs(tmp_path):
-    whole, _ = audit(tmp_path, "whole", batch_size=32)  # the undisturbed run, in process
+def test_worker_node_removed_mid_run_completes_with_the_undisturbed_outputs(tmp_path, sample_audit):
+    whole = sample_audit.run(batch_size=32)  # the undisturbed run, in process (multinode_audit.py's settings)
+    counts = sample_audit.counts(batch_size=32)
     out, report = tmp_path / "multinode", tmp_path / "facts.json"
     ray_tmp = tempfile.mkdtemp(prefix="mc-ray-")  # short: Ray's socket paths must stay under 107 characters
     env = os.environ | {"PYTHONPATH": str(ROOT), "RAY_TMPDIR": ray_tmp, "RAY_USAGE_STATS_ENABLED": "0",
@@ -44,10 +44,10 @@ def test_worker_node_removed_mid_run_completes_with_the_undisturbed_outputs(tmp_
     assert facts["removed_with_inflight"] >= 1 and facts["done_before_removal"][1] >= 1  # removed mid-run
     assert facts["nodes_at_end"] == [facts["head"], facts["head"]]  # actor 1 restarted on the head
     assert facts["alive_nodes"] == 1
-    assert facts["failed"] == 0 and facts["cases"] == whole.cases
+    assert facts["failed"] == 0 and facts["cases"] == counts["cases"]
     util = pl.read_parquet(out / "utilities")
-    assert facts["evaluated"] == util.height == whole.evaluated  # every coalition exactly once, none lost
+    assert facts["evaluated"] == util.height == counts["coalitions_evaluated"]  # each coalition exactly once
     assert util.select(KEY).is_duplicated().sum() == 0
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["status"] == "complete" and manifest["utilities"]["rows"] == whole.evaluated
-    _assert_same_outputs(out, tmp_path / "whole")
+    assert manifest["status"] == "complete" and manifest["utilities"]["rows"] == counts["coalitions_evaluated"]
+    _assert_same_outputs(out, whole)

@@ -47,10 +47,8 @@ def _html_tag(dom: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def sample(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("report")
-    out = tmp / "run"
-    audit(InputSpec(), FAST, out, progress=False)
+def sample(tmp_path_factory, sample_audit) -> Path:
+    out = sample_audit.copy(tmp_path_factory.mktemp("report") / "run")  # the report is written into the run
     assert main(["report", str(out), "--no-progress"]) == 0
     return out
 
@@ -109,9 +107,9 @@ def test_script_in_a_memory_shows_as_text_and_does_not_run(tmp_path):
 
 
 @needs_chromium
-def test_previous_run_shows_a_memory_that_became_harmful(tmp_path):
+def test_previous_run_shows_a_memory_that_became_harmful(tmp_path, sample_audit):
     night1 = _audit(tmp_path, "night1", _write_pool(tmp_path / "m1.jsonl", drop={"ana-02"}))
-    night2 = _audit(tmp_path, "night2", _write_pool(tmp_path / "m2.jsonl"))  # ana-02 (stale city) is back
+    night2 = sample_audit.copy(tmp_path / "night2")  # the whole sample pool: ana-02 (stale city) is back
     out = tmp_path / "trend.html"
     assert main(["report", str(night2), "--previous", str(night1), "--out", str(out), "--no-progress"]) == 0
     dom = dump_dom(out.as_uri())

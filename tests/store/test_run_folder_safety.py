@@ -80,12 +80,11 @@ def test_curate_out_a_folder_is_one_line_and_leaves_no_tmp(bank_run, tmp_path, c
     assert os.listdir(tmp_path) == []
 
 
-def test_the_readme_flow_works_in_one_folder_tree(tmp_path, capsys):
+def test_the_readme_flow_works_in_one_folder_tree(tmp_path, capsys, sample_audit):
     """audit, report, rerun (resumes: the run knows its report), curate beside it, eval beside it; eval into the audit
     folder and an audit into the eval folder are refused (folders of another kind)."""
     tree = tmp_path / "runs"
-    run = tree / "audit"
-    assert _audit(run) == 0
+    run = sample_audit.copy(tree / "audit")  # what `meclear audit --out runs/audit` writes
     assert main(["report", str(run), "--figures", "none", "--no-progress"]) == 0 and (run / "report.html").is_file()
     assert _audit(run) == 0  # was exit 2: "holds files meclear did not write ('report.html')"
     assert main(["report", str(run), "--figures", "none", "--no-progress"]) == 0  # the run's own report, replaced
@@ -117,10 +116,8 @@ def _damage(part: Path, how: str) -> None:
 
 
 @pytest.mark.parametrize("how", ["truncated", "zero", "garbage"])
-def test_a_damaged_part_is_quarantined_named_and_evaluated_again(tmp_path, caplog, how):
-    whole = _sample(tmp_path / "whole")
-    out = tmp_path / "o"
-    first = _sample(out)
+def test_a_damaged_part_is_quarantined_named_and_evaluated_again(tmp_path, caplog, how, sample_audit):
+    out = sample_audit.copy(tmp_path / "o")
     part = next((out / "utilities").glob("*.parquet"))  # compacted: the one part holds every utility
     _damage(part, how)
     with caplog.at_level(logging.WARNING):
@@ -128,28 +125,26 @@ def test_a_damaged_part_is_quarantined_named_and_evaluated_again(tmp_path, caplo
     named = [r for r in caplog.records if part.name in r.getMessage()]
     assert len(named) == 1 and "quarantine" in named[0].getMessage()
     assert (out / "quarantine" / "utilities" / part.name).is_file()
-    assert again.evaluated == first.evaluated and again.reused == 0  # what it held, evaluated again
-    got, want = pl.read_parquet(out / "clearances").drop("run_id"), pl.read_parquet(tmp_path / "whole" / "clearances")
+    # what it held, evaluated again
+    assert again.evaluated == sample_audit.counts()["coalitions_evaluated"] and again.reused == 0
+    got, want = pl.read_parquet(out / "clearances").drop("run_id"), pl.read_parquet(sample_audit.run() / "clearances")
     assert got.sort("pool_id", "query_id").equals(want.drop("run_id").sort("pool_id", "query_id"))
-    assert whole.evaluated == first.evaluated
 
 
-def test_a_damaged_part_in_a_reuse_folder_is_skipped_named_and_left_alone(tmp_path, caplog):
-    night1 = tmp_path / "night1"
-    first = _sample(night1)
+def test_a_damaged_part_in_a_reuse_folder_is_skipped_named_and_left_alone(tmp_path, caplog, sample_audit):
+    night1 = sample_audit.copy(tmp_path / "night1")
     part = next((night1 / "utilities").glob("*.parquet"))
     _damage(part, "truncated")
     before = _tree(night1)
     with caplog.at_level(logging.WARNING):
         second = _sample(tmp_path / "night2", reuse=[str(night1)])
     assert any(part.name in r.getMessage() and "skipped" in r.getMessage() for r in caplog.records)
-    assert second.evaluated == first.evaluated and second.imported == 0
+    assert second.evaluated == sample_audit.counts()["coalitions_evaluated"] and second.imported == 0
     assert _tree(night1) == before  # an input: never written
 
 
-def test_a_part_of_another_schema_version_is_one_line_before_any_evaluation(tmp_path, capsys):
-    out = tmp_path / "o"
-    assert _audit(out) == 0
+def test_a_part_of_another_schema_version_is_one_line_before_any_evaluation(tmp_path, capsys, sample_audit):
+    out = sample_audit.copy(tmp_path / "o")
     part = next((out / "utilities").glob("*.parquet"))
     table = pq.read_table(part).replace_schema_metadata({b"meclear.schema_version": b"99"})
     part.unlink()
@@ -162,9 +157,8 @@ def test_a_part_of_another_schema_version_is_one_line_before_any_evaluation(tmp_
     assert _tree(out) == before  # refused before the manifest says `running`
 
 
-def test_a_manifest_of_another_schema_version_is_one_line(tmp_path, capsys):
-    out = tmp_path / "o"
-    assert _audit(out) == 0
+def test_a_manifest_of_another_schema_version_is_one_line(tmp_path, capsys, sample_audit):
+    out = sample_audit.copy(tmp_path / "o")
     m = json.loads((out / "manifest.json").read_text())
     (out / "manifest.json").write_text(json.dumps(m | {"schema_version": 7}))
     before = _tree(out)
@@ -176,9 +170,8 @@ def test_a_manifest_of_another_schema_version_is_one_line(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("command", ["report", "curate"])
-def test_report_or_curate_on_a_killed_run_is_one_line(tmp_path, capsys, command):
-    out = tmp_path / "o"
-    assert _audit(out) == 0
+def test_report_or_curate_on_a_killed_run_is_one_line(tmp_path, capsys, command, sample_audit):
+    out = sample_audit.copy(tmp_path / "o")
     m = json.loads((out / "manifest.json").read_text())
     (out / "manifest.json").write_text(json.dumps({k: m[k] for k in ("run_id", "status", "attempt", "datasets")}
                                                   | {"status": "running"}))  # what a killed run leaves
@@ -188,9 +181,8 @@ def test_report_or_curate_on_a_killed_run_is_one_line(tmp_path, capsys, command)
 
 
 @pytest.mark.parametrize("command", ["report", "curate"])
-def test_a_missing_column_is_one_line_naming_the_file_and_the_column(tmp_path, capsys, command):
-    out = tmp_path / "o"
-    assert _audit(out) == 0
+def test_a_missing_column_is_one_line_naming_the_file_and_the_column(tmp_path, capsys, command, sample_audit):
+    out = sample_audit.copy(tmp_path / "o")
     part = next((out / "clearances").glob("*.parquet"))
     table = pq.read_table(part).drop(["gain"])
     part.unlink()
@@ -200,9 +192,8 @@ def test_a_missing_column_is_one_line_naming_the_file_and_the_column(tmp_path, c
     _one_line(capsys, str(new), "'gain'")
 
 
-def test_a_damaged_part_in_a_run_report_reads_is_one_line_naming_it(tmp_path, capsys):
-    out = tmp_path / "o"
-    assert _audit(out) == 0
+def test_a_damaged_part_in_a_run_report_reads_is_one_line_naming_it(tmp_path, capsys, sample_audit):
+    out = sample_audit.copy(tmp_path / "o")
     part = next((out / "attributions").glob("*.parquet"))
     _damage(part, "truncated")
     assert main(["report", str(out), "--figures", "none"]) == 2
@@ -231,9 +222,8 @@ def test_a_full_disk_is_one_line_leaves_no_half_file_and_the_rerun_resumes(tmp_p
     assert _audit(out) == 0
 
 
-def test_a_finished_manifest_missing_a_field_is_one_line_naming_it(tmp_path, capsys):
-    out = tmp_path / "o"
-    assert _audit(out) == 0
+def test_a_finished_manifest_missing_a_field_is_one_line_naming_it(tmp_path, capsys, sample_audit):
+    out = sample_audit.copy(tmp_path / "o")
     m = json.loads((out / "manifest.json").read_text())
     del m["config"]["tau"]
     (out / "manifest.json").write_text(json.dumps(m))
