@@ -195,20 +195,14 @@ def test_adaptive_stops_by_separation_and_the_prior_only_adds_draws():
 
 # --------------------------------------------------------------------------------- through the audit (ask/tell)
 @pytest.fixture(scope="module")
-def budget_audit(tmp_path_factory):
-    """The sample pool audited at K=8 with a budget of 40 evaluations per query, once per estimator."""
-    from pipeline.audit.run import AuditConfig, InputSpec, run_audit
-    from pipeline.audit.worker import AgentWorker
-    from pipeline.exec.pools import LocalPool
+def budget_audit(sample_audit):
+    """The sample pool audited at K=8 with a budget of 40 evaluations per query, once per estimator (shared runs)."""
+    from pipeline.audit.run import AuditConfig
 
-    pools, queries, files = InputSpec().load()
     out = {}
     for name in ("adaptive", "kernelshap", "leverage", "permutation"):
-        cfg = AuditConfig(executor="local", dense="off", estimator=name, top_k=8, budget=40)
-        folder = tmp_path_factory.mktemp(name)
-        run_audit(pools, queries, cfg, folder, LocalPool(AgentWorker(cfg.agent_spec)), f"reader-{name}", files,
-                  progress=False)
-        out[name] = (cfg, folder)
+        settings = {"estimator": name, "top_k": 8, "budget": 40}
+        out[name] = (AuditConfig(**(sample_audit.BASE | settings)), sample_audit.run(**settings))
     return out
 
 
