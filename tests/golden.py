@@ -17,8 +17,8 @@ import polars as pl
 HERE = Path(__file__).resolve().parent
 GOLDEN = HERE / "fixtures" / "golden"
 REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-from data_paths import LOCOMO  # noqa: E402
+sys.path.insert(0, str(REPO))  # run as a script (`python tests/golden.py --write`), `tests` is imported from here
+from tests.data_paths import LOCOMO  # noqa: E402
 
 # Columns that legitimately differ between two runs of the same inputs: identifiers of the run, clocks, cache hits.
 VOLATILE = {"run_id", "latency_s", "cached_tokens", "agent"}

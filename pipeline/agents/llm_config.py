@@ -20,7 +20,8 @@ class LLMConfig:
     n_samples > 0 draws that many extra answers per open question at `temperature` (seeded by `seed`). scoring: letter
     (next-token letter probabilities), cloze (option-text log-likelihood, normalised by `cloze_norm`: sum or mean) or
     auto (the model's default, `resolved_scoring`). Fingerprints hash the settings by name (sorted keys), so declaring
-    them here rather than in each config left every agent fingerprint as it was (`tests/test_llm_config_fingerprints`).
+    them here rather than in each config left every agent fingerprint as it was
+    (`tests/agents/test_llm_config_fingerprints.py`).
     """
 
     model: str

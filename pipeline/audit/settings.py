@@ -104,7 +104,7 @@ def check_budget_setting(value: object, where: str, top_k: int, field: str = "bu
 
 # One rule per setting, validity included: every config that holds one of these settings (the audit's `AuditConfig`,
 # the benchmark's `EvalConfig`, `MethodConfig`, `BuildConfig` and `PoolIndex`) checks it through `check_setting`,
-# nowhere else (tests/test_setting_rules.py lists every declaration and every call). top_k's rule is declared by
+# nowhere else (tests/audit/test_setting_rules.py lists every declaration and every call). top_k's rule is declared by
 # retrieval, which owns K and, sitting below this module, calls it directly.
 SETTING_RULES: dict[str, Callable[..., None]] = {
     "tau": check_tau,

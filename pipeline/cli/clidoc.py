@@ -1,5 +1,5 @@
 """docs/cli.md, rendered from the argparse parser (`pipeline.cli.main.build_parser`), so the CLI reference cannot drift
-from the code: `python -m pipeline.cli.clidoc > docs/cli.md`. tests/test_docs.py regenerates it and compares.
+from the code: `python -m pipeline.cli.clidoc > docs/cli.md`. tests/e2e/test_docs.py regenerates it and compares.
 
 The rendering uses a fixed width and no terminal size, so the file is the same on every machine."""
 
@@ -70,7 +70,7 @@ def render() -> str:
     subs = _subparsers(parser)
     out = ["# The `meclear` command line", "",
            f"Generated from `pipeline.cli.main.build_parser` by `{REGENERATE}`; do not edit by hand "
-           "(`tests/test_docs.py` fails when this file is out of date).", "",
+           "(`tests/e2e/test_docs.py` fails when this file is out of date).", "",
            "Subcommands: " + ", ".join(f"[`meclear {name}`](#meclear-{name})" for name in subs) + ".", ""]
     out += _section(parser, "meclear")
     for name, (sub, summary) in subs.items():

