@@ -123,6 +123,9 @@ class BuildConfig:
     mechanisms: tuple[str, ...] = MECHANISMS
     seed: int = 0
     balance_positions: bool = True  # skip fault sets that would over-fill a context position (see module doc)
+    # Ask each wave's causal checks in one agent batch per stage (`prefetch_verify`). False: per-candidate `verify`
+    # calls only, the builder before the waves; the kept cases are the same either way (the benchmark's "before").
+    prefetch: bool = True
 
     def __post_init__(self) -> None:
         w = "build config"
@@ -141,6 +144,7 @@ class BuildConfig:
               f"max_distractors={self.max_distractors!r}; must be >= 1")
         check(bool(self.mechanisms) and set(self.mechanisms) <= set(MECHANISMS), w,
               f"mechanisms={self.mechanisms!r}; allowed a non-empty subset of {MECHANISMS}")
+        check(isinstance(self.prefetch, bool), w, f"prefetch={self.prefetch!r}; must be True or False")
 
 
     @property
@@ -388,9 +392,11 @@ def build_pool(
                 case_id = f"{query.query_id}:{m}"
                 seed = case_seed(config.seed, query.pool_id, case_id)
                 wave.append((ctx, ids, BenchCase(case_id, spec.mechanism, Case(query, ctx, seed), ids, spec)))
-            prefetch_verify(cached, [w[2] for w in wave if w is not None and set(w[1]) <= set(w[0].memory_ids)
-                                     and (not (config.balance_positions and w[0].k == hist.size)
-                                          or position_ok(hist, w[2].fault_positions, position_slack(config.top_k)))])
+            if config.prefetch:
+                prefetch_verify(cached, [w[2] for w in wave if w is not None and set(w[1]) <= set(w[0].memory_ids)
+                                         and (not (config.balance_positions and w[0].k == hist.size)
+                                              or position_ok(hist, w[2].fault_positions,
+                                                             position_slack(config.top_k)))])
             for (e, spec, faults), w in zip(tries, wave):
                 m = e[2]
                 if full(m):

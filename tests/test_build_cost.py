@@ -1,0 +1,38 @@
+"""The builder benchmark (`jobs/bench_engine.py --builder`, `pipeline.perf.build_cost`) on the reader agent: the same
+function the SmolLM2 figure comes from, with a cheap agent, checked for identical cases and fewer engine calls."""
+
+from __future__ import annotations
+
+import pytest
+from data_paths import LOCOMO
+
+from pipeline.agents.reader import ReaderAgent
+
+
+@pytest.mark.skipif(not LOCOMO.is_file(), reason=f"{LOCOMO} not available")
+def test_builder_benchmark_builds_the_same_cases_with_fewer_engine_calls():
+    """The builder benchmark (`jobs/bench_engine.py --builder`) on the reader: "before" (per-candidate causal checks)
+    and "after" (wave prefetch) build identical cases from empty caches, and the waves need fewer engine calls."""
+    from pipeline.bench.builder import BuildConfig
+    from pipeline.bench.reretrieval import PoolIndex
+    from pipeline.io.locomo import load_locomo
+    from pipeline.perf.build_cost import compare_builds, format_builder
+
+    pools, queries = load_locomo(LOCOMO, conversations=["conv-26"])
+    rep = compare_builds(ReaderAgent(), PoolIndex(pools, dense="off"), pools["conv-26"], queries,
+                         BuildConfig(max_queries=24))
+    before, after = rep["rows"]
+    assert (before["variant"], before["prefetch"], after["variant"], after["prefetch"]) == ("before", False,
+                                                                                        "after", True)
+    assert rep["identical"] and len(rep["case_ids"]) == before["cases"] == after["cases"] > 0
+    assert before["checked"] == after["checked"] == 24 and before["clean"] == after["clean"]
+    # the clean checks are the same one batch both ways; the causal checks go in fewer, larger batches
+    assert before["engine_calls"]["build_clean"] == after["engine_calls"]["build_clean"] == 1
+    assert before["requests"]["build_clean"] == after["requests"]["build_clean"] == 24
+    assert after["engine_calls"]["build_verify"] < before["engine_calls"]["build_verify"]
+    assert rep["ratio_engine_calls"] > 1
+    # prefetch may ask requests a later decision never needs (a quota filled, a position became over-full)
+    assert after["requests"]["build_verify"] >= before["requests"]["build_verify"]
+    assert before["prompt_tokens"] is None and before["floor_s"] is None  # the reader reports no tokens
+    table = format_builder(rep)
+    assert "| before (per-candidate checks) | 24 |" in table and "cases identical: yes" in table
