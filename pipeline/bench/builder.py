@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 
 CATEGORIES = ("1", "2", "3", "4")  # LoCoMo single-hop, temporal, open-domain, multi-hop (5 = adversarial, excluded)
 BLOCK = 32  # clean queries tried together, so their candidate faults are embedded in shared batches
+PREFETCH = ("off", "wave", "groups")  # how causal checks are batched (BuildConfig.prefetch)
 POSITION_SLACK = 1  # a position may run this many fault records ahead of the per-position mean of its conversation
 
 
@@ -123,9 +124,11 @@ class BuildConfig:
     mechanisms: tuple[str, ...] = MECHANISMS
     seed: int = 0
     balance_positions: bool = True  # skip fault sets that would over-fill a context position (see module doc)
-    # Ask each wave's causal checks in one agent batch per stage (`prefetch_verify`). False: per-candidate `verify`
-    # calls only, the builder before the waves; the kept cases are the same either way (the benchmark's "before").
-    prefetch: bool = True
+    # How the causal checks reach the agent (the kept cases are the same every way; `pipeline.perf.build_cost`
+    # measures them): "off" per-candidate `verify` calls (up to three agent batches a candidate); "wave" every
+    # candidate of a wave in one batch per stage (`prefetch_verify`); "groups" the same for the candidates the
+    # decisions are likely to need (`prefetch_group`), so that few requests are asked for nothing.
+    prefetch: str = "groups"
 
     def __post_init__(self) -> None:
         w = "build config"
@@ -144,7 +147,7 @@ class BuildConfig:
               f"max_distractors={self.max_distractors!r}; must be >= 1")
         check(bool(self.mechanisms) and set(self.mechanisms) <= set(MECHANISMS), w,
               f"mechanisms={self.mechanisms!r}; allowed a non-empty subset of {MECHANISMS}")
-        check(isinstance(self.prefetch, bool), w, f"prefetch={self.prefetch!r}; must be True or False")
+        check(self.prefetch in PREFETCH, w, f"prefetch={self.prefetch!r}; allowed {', '.join(PREFETCH)}")
 
 
     @property
@@ -257,6 +260,30 @@ def prefetch_verify(agent: CachedAgent, cases: list[BenchCase]) -> None:
             keep = [bool(CaseOutcomes(agent, bc.case).outcome(np.array(masks[lo:hi]))[0]) == (stage == 1)
                     for bc, masks in standing]
             standing = [x for x, k in zip(standing, keep) if k]
+
+
+def prefetch_group(wave: list, start: int, hist: np.ndarray, slack: int | None, full: list[bool]) -> list[int]:
+    """Indices of the wave's candidates, from `start` on, whose causal checks to ask together now: retrieved, of a
+    mechanism not yet full, and position-balanced both on `hist` as it is (no earlier member kept) and on `hist` plus
+    every earlier member's faults (all kept). Why: a whole wave's checks at once (`wave`) also asked, on conv-26 with
+    the reader, the checks of candidates that a case kept earlier in the wave then skipped as over-full: 100 verify
+    requests where the decisions needed 16. A candidate outside the group is asked in a later group if still needed;
+    the two extremes stand for every subset of earlier keeps, so a group can still hold a candidate that is skipped,
+    or miss one that is needed: requests or engine calls, never a different decision. slack None: no balancing."""
+    hyp = hist.copy()
+    out = []
+    for i in range(start, len(wave)):
+        w = wave[i]
+        if w is None or full[i] or not set(w[1]) <= set(w[0].memory_ids):
+            continue
+        pos = w[2].fault_positions
+        if slack is not None and w[0].k == hist.size:
+            if not (position_ok(hist, pos, slack) and position_ok(hyp, pos, slack)):
+                continue
+            for p in pos:
+                hyp[p] += 1
+        out.append(i)
+    return out
 
 
 def position_ok(hist: np.ndarray, positions: tuple[int, ...], slack: int = POSITION_SLACK) -> bool:
@@ -380,7 +407,8 @@ def build_pool(
             offsets = np.cumsum([0] + [len(faults) for _, _, faults in tries])
             still = []
             # Frozen contexts of this wave first, so that their causal checks go to the agent in shared batches
-            # (prefetch_verify); the decisions below are then taken one candidate at a time, in order, as before.
+            # (prefetch_verify, "wave" or "groups"); the decisions below are then taken one candidate at a time, in
+            # order, as with per-candidate checks ("off"), from the cache.
             wave = []
             for j, (e, spec, faults) in enumerate(tries):
                 query, q_emb, m = e[0], e[1], e[2]
@@ -392,12 +420,13 @@ def build_pool(
                 case_id = f"{query.query_id}:{m}"
                 seed = case_seed(config.seed, query.pool_id, case_id)
                 wave.append((ctx, ids, BenchCase(case_id, spec.mechanism, Case(query, ctx, seed), ids, spec)))
-            if config.prefetch:
+            slack = position_slack(config.top_k)
+            if config.prefetch == "wave":
                 prefetch_verify(cached, [w[2] for w in wave if w is not None and set(w[1]) <= set(w[0].memory_ids)
                                          and (not (config.balance_positions and w[0].k == hist.size)
-                                              or position_ok(hist, w[2].fault_positions,
-                                                             position_slack(config.top_k)))])
-            for (e, spec, faults), w in zip(tries, wave):
+                                              or position_ok(hist, w[2].fault_positions, slack))])
+            asked: set[int] = set()  # wave indices whose checks are in the cache ("groups")
+            for j, ((e, spec, faults), w) in enumerate(zip(tries, wave)):
                 m = e[2]
                 if full(m):
                     continue
@@ -407,7 +436,12 @@ def build_pool(
                     counts[m].not_retrieved += 1
                 else:
                     if (not (config.balance_positions and ctx.k == hist.size)
-                            or position_ok(hist, bc.fault_positions, position_slack(config.top_k))):
+                            or position_ok(hist, bc.fault_positions, slack)):
+                        if config.prefetch == "groups" and j not in asked:
+                            group = prefetch_group(wave, j, hist, slack if config.balance_positions else None,
+                                                   [full(t[0][2]) for t in tries])
+                            prefetch_verify(cached, [wave[i][2] for i in group])
+                            asked.update(group)
                         if verify(cached, bc):
                             counts[m].verified += 1
                             kept.append(bc)

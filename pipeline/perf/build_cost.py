@@ -1,12 +1,15 @@
 """What FI-LoCoMo case building costs on an agent, before and after the wave-batched causal checks (issue 18).
 
-The same cases of one conversation are built twice from one agent, one after the other:
-- "before": `BuildConfig(prefetch=False)`, each candidate's causal check asked by `verify` alone (N, then N minus F,
-  then the single removals: up to three agent batches per candidate);
-- "after": the default, `prefetch_verify` asking a whole wave's checks in one agent batch per stage.
-Both start from an empty answer cache and, where the agent has one (vLLM), an empty prefix cache. The clean checks
-(one batch per block of queries) are the same both ways. The cases built must be identical (`identical`); the
-decisions are taken candidate by candidate in the same order either way, so a difference is a defect.
+The same cases of one conversation are built three times from one agent, one after the other, one per
+`BuildConfig.prefetch`:
+- "off" (before): each candidate's causal check asked by `verify` alone (N, then N minus F, then the single
+  removals: up to three agent batches per candidate);
+- "wave": `prefetch_verify` asking every checkable candidate of a wave in one agent batch per stage (fewest engine
+  calls, but it also asks candidates that a case kept earlier in the wave then makes over-full);
+- "groups" (after, the default): the same for the candidates the decisions are likely to need (`prefetch_group`).
+Each starts from an empty answer cache and, where the agent has one (vLLM), an empty prefix cache. The clean checks
+(one batch per block of queries) are the same every way. The cases built must be identical (`identical`); the
+decisions are taken candidate by candidate in the same order every way, so a difference is a defect.
 
 Per variant: clean-checked queries, cases, agent requests by phase (build_clean, build_verify: distinct requests the
 build cache forwarded), engine calls (the agent's `answer_batch` calls) by phase, prompt and uncached tokens where the
@@ -29,7 +32,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Mapping, Sequence
 
-VARIANTS = (("before", False), ("after", True))  # (label, prefetch)
+VARIANTS = ("off", "wave", "groups")  # BuildConfig.prefetch, in the order built; the first is "before"
 
 
 class EngineCounter:
@@ -81,8 +84,7 @@ class _TimedIndex:
 class BuildRow:
     """One build of the conversation: what it asked the agent and what it cost."""
 
-    variant: str  # before (per-candidate checks) | after (wave prefetch)
-    prefetch: bool
+    variant: str  # BuildConfig.prefetch: off (per-candidate checks, "before") | wave | groups ("after")
     checked: int  # clean-checked queries
     clean: int
     cases: int
@@ -104,9 +106,9 @@ def case_keys(cases: Sequence[Any]) -> list[tuple]:
 
 
 def build_once(agent: Any, index: Any, pool: Any, queries: Sequence[Any], config: Any, variant: str,
-               prefetch: bool, per_token_flops: float | None = None,
+               per_token_flops: float | None = None,
                rate: float | None = None) -> tuple[BuildRow, list[Any]]:
-    """Build `pool`'s cases once with `prefetch` on or off, from an empty answer cache and prefix cache."""
+    """Build `pool`'s cases once with `prefetch=variant`, from an empty answer cache and prefix cache."""
     from pipeline.bench.builder import CachedAgent, build_pool
 
     if hasattr(agent, "reset_prefix_cache"):
@@ -116,11 +118,11 @@ def build_once(agent: Any, index: Any, pool: Any, queries: Sequence[Any], config
     counter.owner = cached
     timed = _TimedIndex(index)
     t = time.perf_counter()
-    res = build_pool(cached, timed, pool, list(queries), replace(config, prefetch=prefetch))
+    res = build_pool(cached, timed, pool, list(queries), replace(config, prefetch=variant))
     seconds = time.perf_counter() - t
     uncached = counter.prompt_tokens - counter.cached_tokens if counter.tokens_known else None
     floor = (uncached * per_token_flops / rate if uncached is not None and per_token_flops and rate else None)
-    row = BuildRow(variant, prefetch, res.checked, res.clean, len(res.cases),
+    row = BuildRow(variant, res.checked, res.clean, len(res.cases),
                    {f"build_{k}": v for k, v in sorted(res.agent_calls.items())}, dict(sorted(counter.calls.items())),
                    res.cache_hits, counter.prompt_tokens if counter.tokens_known else None, uncached,
                    timed.embed_s, seconds, seconds / max(res.checked, 1), floor,
@@ -130,21 +132,21 @@ def build_once(agent: Any, index: Any, pool: Any, queries: Sequence[Any], config
 
 def compare_builds(agent: Any, index: Any, pool: Any, queries: Sequence[Any], config: Any,
                    per_token_flops: float | None = None, rate: float | None = None) -> dict[str, Any]:
-    """Build `pool`'s cases "before" (no prefetch) then "after" (wave prefetch) with one agent; the rows, whether the
-    cases are identical, and the before/after ratios of wall time and engine calls."""
+    """Build `pool`'s cases once per variant with one agent; the rows, whether the cases are identical every way,
+    and per variant the ratios of the first ("off", before) to it: wall time and engine calls."""
     index.stats(pool.pool_id)  # the pool's BM25 and embeddings: the same work both ways, not timed
     rows, built = [], []
-    for variant, prefetch in VARIANTS:
-        row, cases = build_once(agent, index, pool, queries, config, variant, prefetch, per_token_flops, rate)
+    for variant in VARIANTS:
+        row, cases = build_once(agent, index, pool, queries, config, variant, per_token_flops, rate)
         rows.append(row)
         built.append(case_keys(cases))
-    before, after = rows
+    before = rows[0]
     return {
         "conversation": pool.pool_id, "max_queries": config.max_queries, "top_k": config.top_k,
-        "identical": built[0] == built[1], "case_ids": [k[0] for k in built[1]],
-        "ratio_seconds": before.seconds / after.seconds if after.seconds else None,
-        "ratio_engine_calls": (sum(before.engine_calls.values()) / sum(after.engine_calls.values())
-                               if after.engine_calls else None),
+        "identical": all(b == built[0] for b in built), "case_ids": [k[0] for k in built[0]],
+        "ratio_seconds": {r.variant: before.seconds / r.seconds if r.seconds else None for r in rows[1:]},
+        "ratio_engine_calls": {r.variant: sum(before.engine_calls.values()) / max(sum(r.engine_calls.values()), 1)
+                               for r in rows[1:]},
         "rows": [asdict(r) for r in rows],
     }
 
@@ -183,6 +185,9 @@ def run_builder_bench(model: str, locomo: str, conversation: str, max_queries: i
             "flops_per_token": per_token, "gemm_rate_before": rates[0], "gemm_rate_after": rates[1], **rep}
 
 
+LABELS = {"off": " (before: per-candidate checks)", "wave": " (whole wave)", "groups": " (after: groups)"}
+
+
 def _opt(x: float | None, fmt: str) -> str:
     return "–" if x is None else format(x, fmt)
 
@@ -203,13 +208,14 @@ def format_builder(report: Mapping[str, Any]) -> str:
     for r in report["rows"]:
         req, calls = r["requests"], r["engine_calls"]
         lines.append(
-            f"| {r['variant']} ({'wave prefetch' if r['prefetch'] else 'per-candidate checks'}) | {r['checked']} | "
+            f"| {r['variant']}{LABELS.get(r['variant'], '')} | {r['checked']} | "
             f"{r['cases']} | {req.get('build_clean', 0)} / {req.get('build_verify', 0)} | "
             f"{calls.get('build_clean', 0)} / {calls.get('build_verify', 0)} | {_opt(r['prompt_tokens'], ',')} | "
             f"{_opt(r['uncached_tokens'], ',')} | {r['embed_s']:.1f} | {r['seconds']:.1f} | "
             f"**{r['s_per_query']:.2f}** | {_opt(r['floor_s'], '.1f')} | "
             f"{'–' if r['ratio'] is None else format(r['ratio'], '.1f') + 'x'} |")
-    lines += ["", f"before / after: wall {_opt(report['ratio_seconds'], '.2f')}x, engine calls "
-                  f"{_opt(report['ratio_engine_calls'], '.2f')}x; cases identical: "
+    ratios = ", ".join(f"{v}: wall {_opt(x, '.2f')}x, engine calls {report['ratio_engine_calls'][v]:.2f}x"
+                       for v, x in report["ratio_seconds"].items())
+    lines += ["", f"off (before) / each: {ratios}; cases identical every way: "
                   f"{'yes' if report['identical'] else 'NO'} ({len(report['case_ids'])} cases)"]
     return "\n".join(lines)
