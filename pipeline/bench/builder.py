@@ -18,7 +18,8 @@ strong templates, which restate the question, are retrieved). Deterministic give
 Economies for an expensive agent (issue 7): every agent answer is cached by its request (question, options, memories)
 for the whole build (`CachedAgent`); the clean check runs block by block, only for the queries still needed; the
 causal check asks the cheapest condition first (N, then N minus F, then the single removals) and stops at the first
-failure; a conversation stops once every mechanism's quota is met; progress is shown within a conversation.
+failure, for groups of candidates in one agent batch per stage (`prefetch_group`, `prefetch_verify`; issue 18); a
+conversation stops once every mechanism's quota is met; progress is shown within a conversation.
 
 The source file is only read; injected records exist only in memory. Everything is seeded per query and mechanism,
 so a case does not depend on which shard built it or on the other queries.
