@@ -174,3 +174,18 @@ def test_prefetch_verify_batches_the_causal_checks_and_keeps_verify_decisions():
     asked = len(inner.requests)
     assert [verify(cached, bc) for bc in cases] == alone
     assert len(inner.requests) == asked  # all answered from the cache
+
+
+def test_prefetch_group_holds_the_candidates_balanced_whether_or_not_earlier_ones_are_kept():
+    from pipeline.bench.builder import prefetch_group
+
+    cases = [bench_case((1,), "direct"), bench_case((1, 3), "redundant"), bench_case((2,), "direct")]
+    wave = [(bc.case.context, bc.faults, bc) for bc in cases]
+    hist = np.zeros(5, dtype=np.int64)
+    # m1+m3 is balanced on the empty histogram, but not once m1 (position 1) is kept: asked later, if still needed
+    assert prefetch_group(wave, 0, hist, 1, [False] * 3) == [0, 2]
+    assert prefetch_group(wave, 1, hist, 1, [False] * 3) == [1, 2]
+    assert prefetch_group(wave, 0, hist, None, [False] * 3) == [0, 1, 2]  # no balancing: the whole wave
+    assert prefetch_group([None, *wave[1:]], 0, hist, 1, [False, True, False]) == [2]  # full mechanisms left out
+    not_retrieved = (wave[2][0], ("m9",), cases[2])
+    assert prefetch_group([*wave[:2], not_retrieved], 0, hist, 1, [False] * 3) == [0]
