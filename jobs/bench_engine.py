@@ -28,6 +28,12 @@ from pathlib import Path
 from pipeline.perf.engine import VARIANTS, format_table, report, run_all
 
 
+def _write(report: dict, table: str, out: str) -> None:
+    Path(out).write_text(json.dumps(report, indent=2))
+    print(table)
+    print(f"\nreport: {Path(out).resolve()}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="model folder, smollm2-135m-instruct or PATH.gguf")
@@ -52,19 +58,15 @@ def main(argv: list[str] | None = None) -> int:
         from pipeline.perf.build_cost import format_builder, run_builder_bench
 
         rep = run_builder_bench(args.model, args.locomo, args.conversation, args.max_queries, args.top_k, args.dense)
-        Path(args.out).write_text(json.dumps(rep, indent=2))
-        print(format_builder(rep))
-        print(f"\nreport: {Path(args.out).resolve()}")
-        return 0 if rep["identical"] else 1
+        _write(rep, format_builder(rep), args.out)
+        return 0 if rep["identical"] else 1  # the cases must be the same every way
     if args.floor:
         if not args.locomo or args.passes < 1 or args.top_k < 1:
             p.error("--floor needs --locomo; --passes and --top-k must be >= 1")
         from pipeline.perf.floor import format_floor, run_floor_case
 
         rep = run_floor_case(args.model, args.locomo, args.conversation, args.top_k, args.passes, args.query_index)
-        Path(args.out).write_text(json.dumps(rep, indent=2))
-        print(format_floor(rep))
-        print(f"\nreport: {Path(args.out).resolve()}")
+        _write(rep, format_floor(rep), args.out)
         return 0
     names = [n for n in args.variants.split(",") if n]
     unknown = sorted(set(names) - set(VARIANTS))
