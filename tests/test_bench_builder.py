@@ -183,9 +183,13 @@ def test_prefetch_group_holds_the_candidates_balanced_whether_or_not_earlier_one
     wave = [(bc.case.context, bc.faults, bc) for bc in cases]
     hist = np.zeros(5, dtype=np.int64)
     # m1+m3 is balanced on the empty histogram, but not once m1 (position 1) is kept: asked later, if still needed
-    assert prefetch_group(wave, 0, hist, 1, [False] * 3) == [0, 2]
-    assert prefetch_group(wave, 1, hist, 1, [False] * 3) == [1, 2]
-    assert prefetch_group(wave, 0, hist, None, [False] * 3) == [0, 1, 2]  # no balancing: the whole wave
-    assert prefetch_group([None, *wave[1:]], 0, hist, 1, [False, True, False]) == [2]  # full mechanisms left out
+    free = [np.inf] * 3
+    assert prefetch_group(wave, 0, hist, 1, free) == [0, 2]
+    assert prefetch_group(wave, 1, hist, 1, free) == [1, 2]
+    assert prefetch_group(wave, 0, hist, None, free) == [0, 1, 2]  # no balancing: the whole wave
+    assert prefetch_group([None, *wave[1:]], 0, hist, 1, free) == [1, 2]  # None: full when the wave was frozen
+    # one direct case still wanted: the second direct candidate waits (the first may fill the quota)
+    assert prefetch_group(wave, 0, hist, None, [1, np.inf, 1]) == [0, 1]
+    assert prefetch_group(wave, 0, hist, None, [0, np.inf, 0]) == [1]
     not_retrieved = (wave[2][0], ("m9",), cases[2])
-    assert prefetch_group([*wave[:2], not_retrieved], 0, hist, 1, [False] * 3) == [0]
+    assert prefetch_group([*wave[:2], not_retrieved], 0, hist, 1, free) == [0]

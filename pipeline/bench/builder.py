@@ -32,6 +32,7 @@ import logging
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 
@@ -263,19 +264,22 @@ def prefetch_verify(agent: CachedAgent, cases: list[BenchCase]) -> None:
             standing = [x for x, k in zip(standing, keep) if k]
 
 
-def prefetch_group(wave: list, start: int, hist: np.ndarray, slack: int | None, full: list[bool]) -> list[int]:
-    """Indices of the wave's candidates, from `start` on, whose causal checks to ask together now: retrieved, of a
-    mechanism not yet full, and position-balanced both on `hist` as it is (no earlier member kept) and on `hist` plus
-    every earlier member's faults (all kept). Why: a whole wave's checks at once (`wave`) also asked, on conv-26 with
+def prefetch_group(wave: list, start: int, hist: np.ndarray, slack: int | None,
+                   room: Sequence[float]) -> list[int]:
+    """Indices of the wave's candidates, from `start` on, whose causal checks to ask together now: retrieved, with
+    room in their variant's quota (`room[i]`: cases still wanted of candidate i's variant, inf without a cap) and
+    position-balanced, both as things are (no earlier member kept) and with every earlier member kept (its faults on
+    `hist`, one case off its variant's room). Why: a whole wave's checks at once (`wave`) also asked, on conv-26 with
     the reader, the checks of candidates that a case kept earlier in the wave then skipped as over-full: 100 verify
     requests where the decisions needed 16. A candidate outside the group is asked in a later group if still needed;
     the two extremes stand for every subset of earlier keeps, so a group can still hold a candidate that is skipped,
     or miss one that is needed: requests or engine calls, never a different decision. slack None: no balancing."""
     hyp = hist.copy()
+    taken: Counter[str] = Counter()  # group members per variant (as if each were kept)
     out = []
     for i in range(start, len(wave)):
         w = wave[i]
-        if w is None or full[i] or not set(w[1]) <= set(w[0].memory_ids):
+        if w is None or not set(w[1]) <= set(w[0].memory_ids) or taken[w[2].variant] >= room[i]:
             continue
         pos = w[2].fault_positions
         if slack is not None and w[0].k == hist.size:
@@ -283,6 +287,7 @@ def prefetch_group(wave: list, start: int, hist: np.ndarray, slack: int | None, 
                 continue
             for p in pos:
                 hyp[p] += 1
+        taken[w[2].variant] += 1
         out.append(i)
     return out
 
@@ -440,7 +445,8 @@ def build_pool(
                             or position_ok(hist, bc.fault_positions, slack)):
                         if config.prefetch == "groups" and j not in asked:
                             group = prefetch_group(wave, j, hist, slack if config.balance_positions else None,
-                                                   [full(t[0][2]) for t in tries])
+                                                   [cap - counts[t[0][2]].verified if cap else np.inf
+                                                    for t in tries])
                             prefetch_verify(cached, [wave[i][2] for i in group])
                             asked.update(group)
                         if verify(cached, bc):
