@@ -33,8 +33,8 @@ def test_builder_benchmark_builds_the_same_cases_with_fewer_engine_calls():
         assert rep["ratio_engine_calls"][after["variant"]] > 1
         # batching ahead may ask requests a decision never needs (a case kept earlier made a position over-full)
         assert after["requests"]["build_verify"] >= before["requests"]["build_verify"]
-    # groups ask far fewer needless requests than whole waves
-    assert groups["requests"]["build_verify"] < wave["requests"]["build_verify"]
+    # whole waves ask checks a case kept earlier in the wave makes needless; groups ask none here (16 of 16)
+    assert groups["requests"]["build_verify"] == before["requests"]["build_verify"] < wave["requests"]["build_verify"]
     assert before["prompt_tokens"] is None and before["floor_s"] is None  # the reader reports no tokens
     table = format_builder(rep)
     assert "| off (before: per-candidate checks) | 24 |" in table and "cases identical every way: yes" in table
