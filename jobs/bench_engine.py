@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--conversation", default="conv-26", help="LoCoMo sample_id (--floor, --builder; default conv-26)")
     p.add_argument("--max-queries", type=int, default=8,
                    help="eligible queries of the conversation clean-checked (--builder; default 8)")
+    p.add_argument("--prefetch", default="off,wave,groups",
+                   help="ways to build, 'off' (before) first (--builder; default off,wave,groups)")
     p.add_argument("--dense", default="auto", choices=("auto", "on", "off"),
                    help="MiniLM in retrieval, as for meclear eval (--builder; default auto)")
     p.add_argument("--query-index", type=int, default=0, help="which eligible query of it (--floor; default 0)")
@@ -53,11 +55,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench-engine.json", help="JSON report (default bench-engine.json)")
     args = p.parse_args(argv)
     if args.builder:
+        from pipeline.perf.build_cost import check_ways, format_builder, run_builder_bench
+
+        try:
+            ways = check_ways(w for w in args.prefetch.split(",") if w)
+        except ValueError as exc:
+            p.error(f"--prefetch: {exc}")
         if not args.locomo or args.max_queries < 1 or args.top_k < 2:
             p.error("--builder needs --locomo; --max-queries must be >= 1 and --top-k >= 2")
-        from pipeline.perf.build_cost import format_builder, run_builder_bench
-
-        rep = run_builder_bench(args.model, args.locomo, args.conversation, args.max_queries, args.top_k, args.dense)
+        rep = run_builder_bench(args.model, args.locomo, args.conversation, args.max_queries, args.top_k, args.dense,
+                                ways=ways)
         _write(rep, format_builder(rep), args.out)
         return 0 if rep["identical"] else 1  # the cases must be the same every way
     if args.floor:

@@ -38,3 +38,12 @@ def test_builder_benchmark_builds_the_same_cases_with_fewer_engine_calls():
     assert before["prompt_tokens"] is None and before["floor_s"] is None  # the reader reports no tokens
     table = format_builder(rep)
     assert "| off (before: per-candidate checks) | 24 |" in table and "cases identical every way: yes" in table
+
+
+def test_builder_benchmark_ways_start_with_the_reference():
+    from pipeline.perf.build_cost import check_ways
+
+    assert check_ways(["off", "groups"]) == ("off", "groups")
+    for bad in ((), ("groups",), ("off", "off"), ("off", "fast")):
+        with pytest.raises(ValueError, match="'off' first"):
+            check_ways(bad)

@@ -35,6 +35,14 @@ from typing import Any, Mapping, Sequence
 VARIANTS = ("off", "wave", "groups")  # BuildConfig.prefetch, in the order built; the first is "before"
 
 
+def check_ways(ways: Sequence[str]) -> tuple[str, ...]:
+    """The ways to build, "off" (the reference) first; a ValueError names what is allowed."""
+    ways = tuple(ways)
+    if not ways or ways[0] != "off" or len(set(ways)) != len(ways) or not set(ways) <= set(VARIANTS):
+        raise ValueError(f"ways={ways!r}: 'off' first, then distinct ways among {VARIANTS[1:]}")
+    return ways
+
+
 class EngineCounter:
     """Stands between the build cache and the agent: counts `answer_batch` calls (engine calls) by the build phase
     of `owner` (the `CachedAgent` in front of it) and sums the prompt and cached tokens the agent reports."""
@@ -131,12 +139,15 @@ def build_once(agent: Any, index: Any, pool: Any, queries: Sequence[Any], config
 
 
 def compare_builds(agent: Any, index: Any, pool: Any, queries: Sequence[Any], config: Any,
-                   per_token_flops: float | None = None, rate: float | None = None) -> dict[str, Any]:
-    """Build `pool`'s cases once per variant with one agent; the rows, whether the cases are identical every way,
-    and per variant the ratios of the first ("off", before) to it: wall time and engine calls."""
+                   per_token_flops: float | None = None, rate: float | None = None,
+                   ways: Sequence[str] = VARIANTS) -> dict[str, Any]:
+    """Build `pool`'s cases once per way (`ways`: "off" first, then some of "wave", "groups") with one agent; the
+    rows, whether the cases are identical every way, and per way the ratios of "off" (before) to it: wall time and
+    engine calls."""
+    ways = check_ways(ways)
     index.stats(pool.pool_id)  # the pool's BM25 and embeddings: the same work both ways, not timed
     rows, built = [], []
-    for variant in VARIANTS:
+    for variant in ways:
         row, cases = build_once(agent, index, pool, queries, config, variant, per_token_flops, rate)
         rows.append(row)
         built.append(case_keys(cases))
@@ -152,7 +163,7 @@ def compare_builds(agent: Any, index: Any, pool: Any, queries: Sequence[Any], co
 
 
 def run_builder_bench(model: str, locomo: str, conversation: str, max_queries: int, top_k: int = 5,
-                      dense: str = "auto", seed: int = 0) -> dict[str, Any]:
+                      dense: str = "auto", seed: int = 0, ways: Sequence[str] = VARIANTS) -> dict[str, Any]:
     """`compare_builds` on one LoCoMo conversation with the vLLM agent (cloze scoring, the audit's defaults), the GEMM
     rate measured with torch before and after in the same process, the floor at the rate measured before."""
     from pipeline.agents import AgentSpec, build_agent
@@ -163,6 +174,8 @@ def run_builder_bench(model: str, locomo: str, conversation: str, max_queries: i
     from pipeline.bench.reretrieval import PoolIndex
     from pipeline.io.locomo import load_locomo
     from pipeline.perf.floor import flops_per_token, gemm_rate, model_shapes
+
+    ways = check_ways(ways)
 
     config = EvalConfig(locomo=locomo, conversations=(conversation,), max_queries=max_queries, top_k=top_k,
                         dense=dense, seed=seed, executor="local").build_config
@@ -177,7 +190,7 @@ def run_builder_bench(model: str, locomo: str, conversation: str, max_queries: i
     try:
         first = eligible_queries([q for q in queries if q.pool_id == conversation])[0]
         agent.answer_batch([AgentRequest(first.query_id, first.question, first.options, ())])  # warm-up, untimed
-        rep = compare_builds(agent, index, pools[conversation], queries, config, per_token, rates[0]["best"])
+        rep = compare_builds(agent, index, pools[conversation], queries, config, per_token, rates[0]["best"], ways)
     finally:
         agent.close()
     rates.append(gemm_rate(model_shapes(model_dir)))
