@@ -3,10 +3,16 @@
     python jobs/bench_engine.py --model smollm2-135m-instruct                  # every variant, 2 sample cases
     python jobs/bench_engine.py --model smollm2-135m-instruct --variants default,bind-all --cases 3
     python jobs/bench_engine.py --model smollm2-135m-instruct --floor --locomo locomo10.json   # floor ratio
+    python jobs/bench_engine.py --model smollm2-135m-instruct --builder --locomo locomo10.json --max-queries 8
 
 --floor: one K=5 LoCoMo case under cloze (the step method before and the prompt-log-probability method now) and letter
 scoring on one engine: prompt and uncached tokens, the FLOPs they imply, the GEMM rate measured in the same run with
 torch, the time and its ratio to that floor (see benchmarks/floor.py).
+
+--builder: the FI-LoCoMo cases of one conversation (its first --max-queries eligible queries) built twice on one
+engine, "before" with per-candidate causal checks and "after" with the wave-batched ones, each from empty caches:
+requests and engine calls by phase, tokens, wall seconds per clean-checked query, the floor; the cases must be
+identical both ways (exit 1 otherwise; see benchmarks.build_cost).
 
 Prints a Markdown table and writes JSON (--out). Not a test; variants run one after another, each in a fresh process,
 so compare ratios from one run. The first variant is the reference for the ratio and the answer agreement.
@@ -25,6 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.engine import VARIANTS, format_table, report, run_all  # noqa: E402
 
 
+def _write(report: dict, table: str, out: str) -> None:
+    Path(out).write_text(json.dumps(report, indent=2))
+    print(table)
+    print(f"\nreport: {Path(out).resolve()}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="model folder, smollm2-135m-instruct or PATH.gguf")
@@ -32,21 +44,39 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cases", type=int, default=2, help="sample-pool cases answered per pass (default 2)")
     p.add_argument("--top-k", type=int, default=5, help="memories per case (2^K coalitions; default 5)")
     p.add_argument("--floor", action="store_true", help="the floor-ratio benchmark instead of the variants")
-    p.add_argument("--locomo", help="LoCoMo json (--floor)")
-    p.add_argument("--conversation", default="conv-26", help="LoCoMo sample_id (--floor; default conv-26)")
+    p.add_argument("--builder", action="store_true", help="the case-building benchmark instead of the variants")
+    p.add_argument("--locomo", help="LoCoMo json (--floor, --builder)")
+    p.add_argument("--conversation", default="conv-26", help="LoCoMo sample_id (--floor, --builder; default conv-26)")
+    p.add_argument("--max-queries", type=int, default=8,
+                   help="eligible queries of the conversation clean-checked (--builder; default 8)")
+    p.add_argument("--prefetch", default="off,wave,groups",
+                   help="ways to build, 'off' (before) first (--builder; default off,wave,groups)")
+    p.add_argument("--dense", default="auto", choices=("auto", "on", "off"),
+                   help="MiniLM in retrieval, as for meclear eval (--builder; default auto)")
     p.add_argument("--query-index", type=int, default=0, help="which eligible query of it (--floor; default 0)")
     p.add_argument("--passes", type=int, default=3, help="timed passes per method, cache emptied each (--floor)")
     p.add_argument("--out", default="bench-engine.json", help="JSON report (default bench-engine.json)")
     args = p.parse_args(argv)
+    if args.builder:
+        from benchmarks.build_cost import check_ways, format_builder, run_builder_bench
+
+        try:
+            ways = check_ways(w for w in args.prefetch.split(",") if w)
+        except ValueError as exc:
+            p.error(f"--prefetch: {exc}")
+        if not args.locomo or args.max_queries < 1 or args.top_k < 2:
+            p.error("--builder needs --locomo; --max-queries must be >= 1 and --top-k >= 2")
+        rep = run_builder_bench(args.model, args.locomo, args.conversation, args.max_queries, args.top_k, args.dense,
+                                ways=ways)
+        _write(rep, format_builder(rep), args.out)
+        return 0 if rep["identical"] else 1  # the cases must be the same every way
     if args.floor:
         if not args.locomo or args.passes < 1 or args.top_k < 1:
             p.error("--floor needs --locomo; --passes and --top-k must be >= 1")
         from benchmarks.floor import format_floor, run_floor_case
 
         rep = run_floor_case(args.model, args.locomo, args.conversation, args.top_k, args.passes, args.query_index)
-        Path(args.out).write_text(json.dumps(rep, indent=2))
-        print(format_floor(rep))
-        print(f"\nreport: {Path(args.out).resolve()}")
+        _write(rep, format_floor(rep), args.out)
         return 0
     names = [n for n in args.variants.split(",") if n]
     unknown = sorted(set(names) - set(VARIANTS))

@@ -174,3 +174,24 @@ def test_prefetch_verify_batches_the_causal_checks_and_keeps_verify_decisions():
     asked = len(inner.requests)
     assert [verify(cached, bc) for bc in cases] == alone
     assert len(inner.requests) == asked  # all answered from the cache
+
+
+def test_prefetch_group_holds_the_candidates_balanced_whether_or_not_earlier_ones_are_kept():
+    from pipeline.bench.builder import prefetch_group
+
+    cases = [bench_case((1,), "direct"), bench_case((1, 3), "redundant"), bench_case((2,), "direct")]
+    wave = [(bc.case.context, bc.faults, bc) for bc in cases]
+    hist = np.zeros(5, dtype=np.int64)
+    # m1+m3 is balanced on the empty histogram, but not once m1 (position 1) is kept: the group ends before it
+    free = [np.inf] * 3
+    assert prefetch_group(wave, 0, hist, 1, free) == [0]
+    assert prefetch_group(wave, 1, hist, 1, free) == [1, 2]
+    assert prefetch_group(wave, 0, hist, None, free) == [0, 1, 2]  # no balancing: the whole wave
+    assert prefetch_group([None, *wave[1:]], 0, hist, 1, free) == [1, 2]  # None: full when the wave was frozen
+    # one direct case still wanted: the second direct candidate ends the group (the first may fill the quota)
+    assert prefetch_group(wave, 0, hist, None, [1, np.inf, 1]) == [0, 1]
+    assert prefetch_group(wave, 1, hist, None, [0, np.inf, 0]) == [1]
+    # decided without the agent (not retrieved; over-full already): passed over, the group goes on
+    not_retrieved = (wave[0][0], ("m9",), cases[0])
+    assert prefetch_group([not_retrieved, *wave[1:]], 0, hist, 1, free) == [1, 2]
+    assert prefetch_group(wave, 0, np.array([0, 3, 0, 0, 0]), 1, free) == [2]

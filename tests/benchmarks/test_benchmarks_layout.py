@@ -37,7 +37,7 @@ def test_no_library_module_imports_the_benchmarks():
 
 def test_every_harness_is_in_the_module_map():
     text = (ROOT / "docs" / "architecture.md").read_text()
-    assert HARNESSES == ["engine", "floor", "gpu_check", "throughput"]
+    assert HARNESSES == ["build_cost", "engine", "floor", "gpu_check", "throughput"]
     assert all(f"- `benchmarks/{h}.py`: " in text for h in HARNESSES), "list each benchmarks/ module in architecture.md"
 
 
