@@ -55,10 +55,10 @@ def _table(rows: list[dict], exact: dict[str, set], metrics: tuple[str, ...]) ->
 
 
 def budget_curves(rows: list[dict], methods: tuple[str, ...], utilities: tuple[str, ...], replicates: int,
-                  seed: int) -> dict:
+                  seed: int, references: tuple[str, ...] = (REFERENCE,)) -> dict:
     """{utility: {group: {curve: [point, ...]}}} with group 'all' and every fault variant. A point: method, budget
-    (None for unbudgeted methods), n_cases, metrics {name: value/ci_low/ci_high} and, where ContextCite ran at the
-    same budget, vs_contextcite (paired differences, same form)."""
+    (None for unbudgeted methods), n_cases, metrics {name: value/ci_low/ci_high} and, for each reference curve that
+    ran at the same budget (ContextCite by default), vs_<reference> (paired differences, same form)."""
     parsed = {m: Method.parse(m) for m in methods}
     has_exact = EXACT in methods
     metrics = CURVE_METRICS if has_exact else tuple(m for m in CURVE_METRICS if m != "same_harmful_as_exact")
@@ -80,11 +80,12 @@ def budget_curves(rows: list[dict], methods: tuple[str, ...], utilities: tuple[s
                 meth = parsed[name]
                 point = {"method": name, "budget": meth.evals, "n_cases": table.n_cases,
                          "metrics": bootstrap_table(table, replicates, seed)}
-                ref = f"{REFERENCE}_b{meth.evals}" if meth.evals is not None else None
-                if ref in tables and ref != name and tables[ref].case_ids == table.case_ids:
-                    diff = CaseTable(table.case_ids, table.clusters, table.numerators - tables[ref].numerators,
-                                     table.denominators, metrics)
-                    point["vs_contextcite"] = bootstrap_table(diff, replicates, seed)
+                for reference in references:
+                    ref = f"{reference}_b{meth.evals}" if meth.evals is not None else None
+                    if ref in tables and ref != name and tables[ref].case_ids == table.case_ids:
+                        diff = CaseTable(table.case_ids, table.clusters, table.numerators - tables[ref].numerators,
+                                         table.denominators, metrics)
+                        point[f"vs_{reference}"] = bootstrap_table(diff, replicates, seed)
                 curves.setdefault(meth.curve, []).append(point)
             out[u][g] = curves
     return out
@@ -96,8 +97,9 @@ def _pct(iv: dict, metric: str, signed: bool = False) -> str:
     return f"{scale * iv['value']:{f}} [{scale * iv['ci_low']:{f}}, {scale * iv['ci_high']:{f}}]"
 
 
-def markdown(curves: dict) -> list[str]:
-    """summary.md sections: per utility, the overall curves table and the paired differences against ContextCite."""
+def markdown(curves: dict, references: tuple[str, ...] = (REFERENCE,)) -> list[str]:
+    """summary.md sections: per utility, the overall curves table and the paired differences against each reference
+    (ContextCite unless others were passed to `budget_curves`)."""
     lines = ["## Budget curves", "",
              "Per case: evaluations = distinct agent calls, clearance checks included. Percentages with 95% two-level "
              "cluster-bootstrap intervals; extra_background and evaluations_per_case are counts. Per-variant curves "
@@ -114,13 +116,15 @@ def markdown(curves: dict) -> list[str]:
                                  + " | ".join(_pct(p["metrics"][k], k) for k in metrics) + " |")
             keys = [k for k in ("exact_set_match", "recall_at_m", "same_harmful_as_exact", "task_recovery")
                     if k in metrics]
-            lines += ["", f"### {u}: paired difference vs ContextCite at the same budget (percentage points)", "",
-                      "| method | budget | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
-            for pts in curves_g.values():
-                for p in pts:
-                    if "vs_contextcite" in p:
-                        lines.append(f"| {p['method']} | {p['budget']} | "
-                                     + " | ".join(_pct(p["vs_contextcite"][k], k, True) for k in keys) + " |")
+            for reference in references:
+                label = "ContextCite" if reference == REFERENCE else reference
+                lines += ["", f"### {u}: paired difference vs {label} at the same budget (percentage points)", "",
+                          "| method | budget | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
+                for pts in curves_g.values():
+                    for p in pts:
+                        if f"vs_{reference}" in p:
+                            lines.append(f"| {p['method']} | {p['budget']} | "
+                                         + " | ".join(_pct(p[f"vs_{reference}"][k], k, True) for k in keys) + " |")
             lines.append("")
     return lines
 

@@ -14,6 +14,7 @@ from pipeline.agents.reader import ReaderAgent
 from pipeline.audit.cases import Case
 from pipeline.bench.builder import BenchCase, CachedAgent
 from pipeline.bench.config import EvalConfig
+from pipeline.bench.curves import budget_curves, markdown
 from pipeline.bench.methods import (
     EXACT_MAX_K,
     Method,
@@ -139,3 +140,22 @@ def test_eval_cli_budgets_writes_curves(tmp_path):
     assert (out / "curves_correct.png").stat().st_size > 0
     assert "Budget curves" in (out / "summary.md").read_text()
     assert np.isfinite(summary["curves"]["correct"]["all"]["loo"][0]["metrics"]["recall_at_m"]["value"])
+
+
+def test_budget_curves_pair_against_any_reference():
+    """`references`: paired differences against any curve at the same budget (jobs/fi_budget_subsets.py pairs the
+    default estimator with the others), value = the difference of the two methods' means over the same cases."""
+    hits = {"permutation_b32": [1, 1, 0, 1], "kernelshap_b32": [1, 0, 0, 0], "contextcite_b32": [0, 0, 0, 0]}
+    rows = [{"case_id": f"c{i}:direct", "conversation": f"conv-{i % 2}", "utility": "correct", "method": name,
+             "faults": ["m1"], "cleared": ["m1"] if hit[i] else ["m2"], "full_ranking": ["m1", "m2"],
+             "ranking": ["m1"], "recovered": bool(hit[i]), "evaluations": 30}
+            for name, hit in hits.items() for i in range(4)]
+    curves = budget_curves(rows, tuple(hits), ("correct",), 50, 0, ("contextcite", "kernelshap"))
+    perm, ks = curves["correct"]["all"]["permutation"][0], curves["correct"]["all"]["kernelshap"][0]
+    assert perm["vs_kernelshap"]["exact_set_match"]["value"] == pytest.approx(0.75 - 0.25)
+    assert perm["vs_contextcite"]["exact_set_match"]["value"] == pytest.approx(0.75)
+    assert "vs_kernelshap" not in ks and ks["vs_contextcite"]["task_recovery"]["value"] == pytest.approx(0.25)
+    assert "paired difference vs kernelshap" in "\n".join(markdown(curves, ("contextcite", "kernelshap")))
+    # the default is the benchmark's summary: ContextCite only
+    plain = budget_curves(rows, tuple(hits), ("correct",), 50, 0)
+    assert "vs_kernelshap" not in plain["correct"]["all"]["permutation"][0]
