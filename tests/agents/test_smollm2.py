@@ -124,11 +124,15 @@ def smollm2_cache() -> Iterator[Path]:
         assert marker["max_logit_diff"] <= models.LOGIT_TOLERANCE
         # no half-built temporary folder left behind, exactly one converted folder
         assert [p.name for p in (Path(cache) / "models").iterdir() if p.is_dir()] == [folder.name]
+        before = os.environ.get("MECLEAR_CACHE")
         os.environ["MECLEAR_CACHE"] = cache
         try:
             yield folder
-        finally:
-            os.environ.pop("MECLEAR_CACHE", None)
+        finally:  # restore the session's cache (tests/conftest.py), not the user's default one
+            if before is None:
+                os.environ.pop("MECLEAR_CACHE", None)
+            else:
+                os.environ["MECLEAR_CACHE"] = before
 
 
 @pytest.mark.llm

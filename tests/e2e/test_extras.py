@@ -46,7 +46,10 @@ def _meclear(args: list[str], tmp_path: Path, hidden: set[str]) -> subprocess.Co
     site = tmp_path / "site"
     site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text(HIDE.format(hidden=sorted(hidden)))
-    env = os.environ | {"PYTHONPATH": f"{site}{os.pathsep}{ROOT}", "RAY_ADDRESS": ""}
+    # A fresh cache, as a user without the extra has: with SmolLM2 already converted by an earlier test (the default
+    # cache), gguf is rightly not needed and the audit would run (CI, tests/agents before tests/e2e).
+    env = os.environ | {"PYTHONPATH": f"{site}{os.pathsep}{ROOT}", "RAY_ADDRESS": "",
+                        "MECLEAR_CACHE": str(tmp_path / "cache")}
     return subprocess.run([sys.executable, "-m", "pipeline.cli.main", *args], capture_output=True, text=True, env=env,
                           timeout=300, cwd=tmp_path)
 
