@@ -51,6 +51,7 @@ class EngineCounter:
         self.agent, self.owner = agent, None
         self.calls: Counter[str] = Counter()
         self.prompt_tokens = self.cached_tokens = 0
+        self.uncached: Counter[str] = Counter()  # uncached prompt tokens by phase: where the build's compute goes
         self.tokens_known = True  # False once a response lacks token accounting (the reader has none)
 
     def fingerprint(self) -> str:
@@ -58,13 +59,15 @@ class EngineCounter:
 
     def answer_batch(self, requests: Sequence[Any]) -> list[Any]:
         out = self.agent.answer_batch(requests)
-        self.calls["build_" + (self.owner.phase if self.owner is not None else "build")] += 1
+        phase = "build_" + (self.owner.phase if self.owner is not None else "build")
+        self.calls[phase] += 1
         for r in out:
             if r.prompt_tokens is None:
                 self.tokens_known = False
             else:
                 self.prompt_tokens += r.prompt_tokens
                 self.cached_tokens += r.cached_tokens or 0
+                self.uncached[phase] += r.prompt_tokens - (r.cached_tokens or 0)
         return out
 
     def close(self) -> None:
@@ -101,6 +104,7 @@ class BuildRow:
     cache_hits: int
     prompt_tokens: int | None  # None: the agent reports no token accounting
     uncached_tokens: int | None
+    uncached_by_phase: dict[str, int] | None  # build_clean, build_verify
     embed_s: float
     seconds: float
     s_per_query: float  # seconds / clean-checked query
@@ -133,7 +137,7 @@ def build_once(agent: Any, index: Any, pool: Any, queries: Sequence[Any], config
     row = BuildRow(variant, res.checked, res.clean, len(res.cases),
                    {f"build_{k}": v for k, v in sorted(res.agent_calls.items())}, dict(sorted(counter.calls.items())),
                    res.cache_hits, counter.prompt_tokens if counter.tokens_known else None, uncached,
-                   timed.embed_s, seconds, seconds / max(res.checked, 1), floor,
+                   dict(sorted(counter.uncached.items())) if counter.tokens_known else None, timed.embed_s, seconds, seconds / max(res.checked, 1), floor,
                    seconds / floor if floor else None)
     return row, res.cases
 
@@ -205,6 +209,14 @@ def _opt(x: float | None, fmt: str) -> str:
     return "–" if x is None else format(x, fmt)
 
 
+def _uncached(row: Mapping[str, Any]) -> str:
+    """Uncached tokens, with the clean / verify split where the row has it (reports before the split lack it)."""
+    split = row.get("uncached_by_phase")
+    if not split:
+        return _opt(row["uncached_tokens"], ",")
+    return f"{row['uncached_tokens']:,} ({split.get('build_clean', 0):,} / {split.get('build_verify', 0):,})"
+
+
 def format_builder(report: Mapping[str, Any]) -> str:
     """The report as a Markdown table, one row per variant, with a header line and the before/after ratios."""
     head = f"{report.get('model', 'agent')}, {report['conversation']}, first {report['max_queries']} eligible " \
@@ -215,7 +227,7 @@ def format_builder(report: Mapping[str, Any]) -> str:
                  f"{report['gemm_rate_after']['best'] / 1e9:.1f} after; engine start {report['engine_start_s']:.0f} s")
     lines = [head, "",
              "| variant | clean-checked queries | cases | requests clean / verify | engine calls clean / verify | "
-             "prompt tokens | uncached tokens | embed s | wall s | s per clean-checked query | floor s | "
+             "prompt tokens | uncached tokens clean / verify | embed s | wall s | s per clean-checked query | floor s | "
              "wall / floor |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
@@ -224,7 +236,7 @@ def format_builder(report: Mapping[str, Any]) -> str:
             f"| {r['variant']}{LABELS.get(r['variant'], '')} | {r['checked']} | "
             f"{r['cases']} | {req.get('build_clean', 0)} / {req.get('build_verify', 0)} | "
             f"{calls.get('build_clean', 0)} / {calls.get('build_verify', 0)} | {_opt(r['prompt_tokens'], ',')} | "
-            f"{_opt(r['uncached_tokens'], ',')} | {r['embed_s']:.1f} | {r['seconds']:.1f} | "
+            f"{_uncached(r)} | {r['embed_s']:.1f} | {r['seconds']:.1f} | "
             f"**{r['s_per_query']:.2f}** | {_opt(r['floor_s'], '.1f')} | "
             f"{'–' if r['ratio'] is None else format(r['ratio'], '.1f') + 'x'} |")
     ratios = ", ".join(f"{v}: wall {_opt(x, '.2f')}x, engine calls {report['ratio_engine_calls'][v]:.2f}x"
