@@ -170,7 +170,7 @@ def run_builder_bench(model: str, locomo: str, conversation: str, max_queries: i
                       dense: str = "auto", seed: int = 0, ways: Sequence[str] = VARIANTS) -> dict[str, Any]:
     """`compare_builds` on one LoCoMo conversation with the vLLM agent (cloze scoring, the audit's defaults), the GEMM
     rate measured with torch before and after in the same process, the floor at the rate measured before."""
-    from benchmarks.floor import flops_per_token, gemm_rate, model_shapes
+    from benchmarks.floor import engine_dtype, flops_per_token, gemm_rate, model_shapes
     from pipeline.agents import AgentSpec, build_agent
     from pipeline.agents.base import AgentRequest
     from pipeline.agents.models import resolve_model
@@ -187,9 +187,11 @@ def run_builder_bench(model: str, locomo: str, conversation: str, max_queries: i
     index = PoolIndex(pools, top_k, dense)
     model_dir = resolve_model(model)
     per_token = flops_per_token(model_dir)
-    rates = [gemm_rate(model_shapes(model_dir))]
+    spec = {"model": model, "scoring": "cloze"}
+    dtype = engine_dtype(spec)  # the floor in the engine's own dtype (bfloat16 where the CPU has it natively)
+    rates = [gemm_rate(model_shapes(model_dir), dtype=dtype)]
     t = time.perf_counter()
-    agent = build_agent(AgentSpec("vllm", {"model": model, "scoring": "cloze"}))
+    agent = build_agent(AgentSpec("vllm", spec))
     start_s = time.perf_counter() - t
     try:
         first = eligible_queries([q for q in queries if q.pool_id == conversation])[0]
@@ -197,9 +199,9 @@ def run_builder_bench(model: str, locomo: str, conversation: str, max_queries: i
         rep = compare_builds(agent, index, pools[conversation], queries, config, per_token, rates[0]["best"], ways)
     finally:
         agent.close()
-    rates.append(gemm_rate(model_shapes(model_dir)))
+    rates.append(gemm_rate(model_shapes(model_dir), dtype=dtype))
     return {"model": model, "scoring": "cloze", "retrieval": index.mode, "engine_start_s": start_s,
-            "flops_per_token": per_token, "gemm_rate_before": rates[0], "gemm_rate_after": rates[1], **rep}
+            "flops_per_token": per_token, "gemm_dtype": dtype, "gemm_rate_before": rates[0], "gemm_rate_after": rates[1], **rep}
 
 
 LABELS = {"off": " (before: per-candidate checks)", "wave": " (whole wave)", "groups": " (after: groups)"}
@@ -223,6 +225,7 @@ def format_builder(report: Mapping[str, Any]) -> str:
            f"queries, K={report['top_k']}"
     if "gemm_rate_before" in report:
         head += (f": {report['flops_per_token'] / 1e9:.3f} GFLOP/token, GEMM rate "
+                 f"({report.get('gemm_dtype', 'float32')}) "
                  f"{report['gemm_rate_before']['best'] / 1e9:.1f} GFLOP/s before, "
                  f"{report['gemm_rate_after']['best'] / 1e9:.1f} after; engine start {report['engine_start_s']:.0f} s")
     lines = [head, "",

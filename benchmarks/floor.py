@@ -63,6 +63,20 @@ def gemm_rate(shapes: Sequence[tuple[int, int, int]], dtype: str = "float32", de
     return out
 
 
+def engine_dtype(agent_config: Mapping[str, Any] | None = None) -> str:
+    """The dtype the vLLM agent's engine computes in on this machine, for the GEMM rate of its floor.
+
+    A float32 GEMM rate is the wrong yardstick for an engine that runs in bfloat16: on a CPU with native bfloat16
+    (AVX512-BF16, AMX) vLLM's `auto` runs SmolLM2 in bfloat16, and a float32 floor put the build at 0.7x "its floor"
+    (AMD EPYC, 2 cores, 2026-12-04). `auto` on CPU is bfloat16 in vLLM (it downcasts a float32 checkpoint); the agent
+    turns it into float32 where the CPU lacks native bfloat16 (`resolved_dtype`)."""
+    from pipeline.agents.vllm_agent import VLLMConfig, on_cpu_platform, resolved_dtype
+
+    cpu = on_cpu_platform()
+    dtype = resolved_dtype(VLLMConfig.from_mapping(dict(agent_config or {"model": "x"})), cpu)
+    return {"auto": "bfloat16" if cpu else "float16", "half": "float16", "float": "float32"}.get(dtype, dtype)
+
+
 def model_shapes(model_dir: str | Path, tokens: int = 256) -> list[tuple[int, int, int]]:
     """The model's own GEMMs for a chunk of `tokens` tokens: the MLP up-projection and the vocabulary head."""
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
@@ -114,9 +128,11 @@ def run_floor_case(model: str, locomo: str, conversation: str, top_k: int = 5, p
     case = make_cases(queries[: case_index + 1], contexts, seed=0)[case_index]
     batch = [case.request(mask) for mask in range(1 << case.k)]
     per_token = flops_per_token(model_dir)
-    rates = [gemm_rate(model_shapes(model_dir))]
+    spec = {"model": model, "scoring": "cloze"}
+    dtype = engine_dtype(spec)
+    rates = [gemm_rate(model_shapes(model_dir), dtype=dtype)]
     t = time.perf_counter()
-    agent = build_agent(AgentSpec("vllm", {"model": model, "scoring": "cloze"}))
+    agent = build_agent(AgentSpec("vllm", spec))
     start_s = time.perf_counter() - t
     rows: list[FloorRow] = []
     try:
@@ -147,17 +163,19 @@ def run_floor_case(model: str, locomo: str, conversation: str, top_k: int = 5, p
                                  uncached * per_token / 1e9, floor, secs, secs / floor, agree, diff))
     finally:
         agent.close()
-    rates.append(gemm_rate(model_shapes(model_dir)))
+    rates.append(gemm_rate(model_shapes(model_dir), dtype=dtype))
     return {"model": model, "conversation": conversation, "query": case.query.query_id, "top_k": top_k,
             "options": list(case.query.options), "passes": passes, "engine_start_s": start_s,
-            "flops_per_token": per_token, "gemm_rate_before": rates[0], "gemm_rate_after": rates[1],
+            "flops_per_token": per_token, "gemm_dtype": dtype, "gemm_rate_before": rates[0],
+            "gemm_rate_after": rates[1],
             "rows": [asdict(r) for r in rows]}
 
 
 def format_floor(report: Mapping[str, Any]) -> str:
     rate = report["gemm_rate_before"]["best"]
     lines = [f"model {report['model']}, {report['conversation']} {report['query']}, K={report['top_k']}: "
-             f"{report['flops_per_token'] / 1e9:.3f} GFLOP/token, GEMM rate {rate / 1e9:.1f} GFLOP/s before, "
+             f"{report['flops_per_token'] / 1e9:.3f} GFLOP/token, GEMM rate ({report.get('gemm_dtype', 'float32')}) "
+             f"{rate / 1e9:.1f} GFLOP/s before, "
              f"{report['gemm_rate_after']['best'] / 1e9:.1f} after; engine start {report['engine_start_s']:.0f} s",
              "",
              "| scoring | method | coalitions | requests | prompt tokens | uncached tokens | GFLOP | floor s | "

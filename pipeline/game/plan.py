@@ -117,24 +117,34 @@ class GamePlan:
 # in `probability` kernelshap is best or level on exact-set match, Recall@|M| and recovery from B=32 (+9.6 pp exact-set
 # over adaptive at 32, held-out too), level on harmful-set agreement at 128; adaptive agrees with exact more at 32-64
 # (+7.5 / +10.7 pp) and needs ~27% fewer calls at 128, so it is the documented option, not the default.
-# At K=20 (`correct`, docs/benchmark.md "K=20", 488 cases) kernelshap beats the permutation mean at equal budget on
-# exact-set match, Recall@|M| and recovery from B=64 (paired, B=128: +7.4 pp [+3.4, +11.9] exact-set, +12.3 recovery;
-# the eight conversations never used for a choice alone: +7.3 [+2.8, +12.4]); the harmful-set agreement with exact
-# that favours the mean at K=10 cannot be measured there. So in `correct` mode the mean is kept up to AUTO_MEAN_MAX_K,
-# the largest K whose exact table the benchmark affords (pipeline.bench.methods.EXACT_MAX_K), and kernelshap above it.
-# K=13-19 was not measured; the boundary is that of the evidence, not a measured crossover.
-AUTO_SAMPLED = {"probability": "kernelshap", "correct": "permutation"}
-AUTO_MEAN_MAX_K = 12
+# In `correct` mode the evidence moved (docs/method.md "Estimators and the budget"): on the clearance, the audit's
+# verified output, kernelshap beats the permutation mean at equal budget wherever the budget buys more than the
+# anchors. Paired, exact-set match, kernelshap minus permutation: SmolLM2-135M-Instruct at K=10 (81 cases, all ten
+# conversations) +25.9 pp [+13.8, +38.5] at B=32 (held-out conversations alone +26.2), +4.9 [-2.7, +12.7] at 64;
+# reader at K=20 (488 cases) +4.5 to +7.4 from B=64, held-out too; reader at K=10 ahead at 32-128 (against ContextCite
+# -3.1 vs -8.6 pp at 128). The mean keeps the better agreement with exact Shapley values on the reader at K=10 (83.9%
+# vs 64.6% same harmful set at 128): `--estimator permutation` for that. Where the budget buys fewer than K samples
+# beyond the K+2 anchors and the clearance's reserve (N < 2K + 4: K=10 B=16, K=20 B=32) both are LOO in effect and the
+# mean was level or ahead (SmolLM2 K=10 B=16: -3.7 [-10.8, +0.0] for kernelshap), so auto keeps the mean there.
+AUTO_SAMPLED = {"probability": "kernelshap", "correct": "kernelshap"}
+
+
+def few_samples(k: int, budget: int) -> bool:
+    """Whether `budget` buys fewer than K coalitions beyond the K+2 anchors and the clearance's reserve of 2."""
+    return budget < 2 * k + 4
+
+
 ADAPTIVE_PRIOR = 0.0  # adaptive: variance pseudo-draws by default (pipeline.game.estimators.Adaptive)
 
 
 def auto_estimator(k: int, budget: int, utility: str = "probability") -> str:
     """`--estimator auto` under a budget: exact when all 2^K coalitions fit, else the sampled estimator measured best
-    for this utility mode and K (see AUTO_SAMPLED and AUTO_MEAN_MAX_K above)."""
+    for this utility mode, K and budget (see AUTO_SAMPLED and `few_samples` above)."""
     if budget >= 1 << k:
         return "exact"
-    choice = AUTO_SAMPLED.get(utility, "permutation")
-    return "kernelshap" if choice == "permutation" and k > AUTO_MEAN_MAX_K else choice
+    if utility == "correct" and few_samples(k, budget):
+        return "permutation"
+    return AUTO_SAMPLED.get(utility, "kernelshap")
 
 
 def make_plan(

@@ -258,19 +258,18 @@ def test_surrogates_behind_the_contract_match_the_benchmark_baselines(name):
     assert a.values[0] < 0 and a.values[4] > 0  # the harmful pair and the helpful memory, by sign
 
 
-def test_auto_under_a_budget_enumerates_when_2k_fits_else_follows_the_utility_mode_and_k():
-    from pipeline.bench.methods import EXACT_MAX_K
-    from pipeline.game.plan import AUTO_MEAN_MAX_K, make_plan
+def test_auto_under_a_budget_enumerates_when_2k_fits_else_follows_the_utility_mode_and_budget():
+    from pipeline.game.plan import make_plan
 
     assert make_plan(10, budget=1024).estimator == "exact"
-    assert make_plan(10, budget=128, utility="probability").estimator == "kernelshap"
-    assert make_plan(10, budget=128, utility="correct").estimator == "permutation"
-    # above the largest K with an exact reference, `correct` mode takes the fit too (K=20 evidence)
-    assert AUTO_MEAN_MAX_K == EXACT_MAX_K
-    assert make_plan(AUTO_MEAN_MAX_K, budget=256, utility="correct").estimator == "permutation"
-    assert make_plan(AUTO_MEAN_MAX_K + 1, budget=256, utility="correct").estimator == "kernelshap"
-    assert make_plan(20, budget=256, utility="correct").estimator == "kernelshap"
-    assert make_plan(20, budget=256, utility="probability").estimator == "kernelshap"
+    for k, budget in ((10, 16), (10, 32), (10, 128), (20, 32), (20, 256)):
+        assert make_plan(k, budget=budget, utility="probability").estimator == "kernelshap"
+    # `correct`: the fit once the budget buys K samples beyond the anchors and the reserve (N >= 2K + 4), else the mean
+    assert make_plan(10, budget=23, utility="correct").estimator == "permutation"
+    assert make_plan(10, budget=24, utility="correct").estimator == "kernelshap"
+    assert make_plan(10, budget=128, utility="correct").estimator == "kernelshap"
+    assert make_plan(20, budget=32, utility="correct").estimator == "permutation"
+    assert make_plan(20, budget=64, utility="correct").estimator == "kernelshap"
     with pytest.raises(ConfigError, match="2\\^10"):
         make_plan(10, estimator="exact", budget=1000)
 
