@@ -137,8 +137,8 @@ def build_once(agent: Any, index: Any, pool: Any, queries: Sequence[Any], config
     row = BuildRow(variant, res.checked, res.clean, len(res.cases),
                    {f"build_{k}": v for k, v in sorted(res.agent_calls.items())}, dict(sorted(counter.calls.items())),
                    res.cache_hits, counter.prompt_tokens if counter.tokens_known else None, uncached,
-                   dict(sorted(counter.uncached.items())) if counter.tokens_known else None, timed.embed_s, seconds, seconds / max(res.checked, 1), floor,
-                   seconds / floor if floor else None)
+                   dict(sorted(counter.uncached.items())) if counter.tokens_known else None, timed.embed_s, seconds,
+                   seconds / max(res.checked, 1), floor, seconds / floor if floor else None)
     return row, res.cases
 
 
@@ -201,7 +201,8 @@ def run_builder_bench(model: str, locomo: str, conversation: str, max_queries: i
         agent.close()
     rates.append(gemm_rate(model_shapes(model_dir), dtype=dtype))
     return {"model": model, "scoring": "cloze", "retrieval": index.mode, "engine_start_s": start_s,
-            "flops_per_token": per_token, "gemm_dtype": dtype, "gemm_rate_before": rates[0], "gemm_rate_after": rates[1], **rep}
+            "flops_per_token": per_token, "gemm_dtype": dtype, "gemm_rate_before": rates[0],
+            "gemm_rate_after": rates[1], **rep}
 
 
 LABELS = {"off": " (before: per-candidate checks)", "wave": " (whole wave)", "groups": " (after: groups)"}
@@ -230,8 +231,8 @@ def format_builder(report: Mapping[str, Any]) -> str:
                  f"{report['gemm_rate_after']['best'] / 1e9:.1f} after; engine start {report['engine_start_s']:.0f} s")
     lines = [head, "",
              "| variant | clean-checked queries | cases | requests clean / verify | engine calls clean / verify | "
-             "prompt tokens | uncached tokens clean / verify | embed s | wall s | s per clean-checked query | floor s | "
-             "wall / floor |",
+             "prompt tokens | uncached tokens (clean / verify) | embed s | wall s | s per clean-checked query | "
+             "floor s | wall / floor |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         req, calls = r["requests"], r["engine_calls"]
