@@ -92,6 +92,23 @@ def test_flops_per_token_counts_smollm2_matmul_parameters(tmp_path) -> None:
     assert floor_seconds(1000, 2e8, 1e11) == pytest.approx(2.0)
 
 
+@pytest.mark.parametrize(("on_cpu", "native_bf16", "setting", "expected"), [
+    (True, True, None, "bfloat16"),  # vLLM's CPU `auto` kept where the CPU computes bfloat16 natively
+    (True, False, None, "float32"),  # the agent's AVX2 default
+    (True, True, "float32", "float32"),  # the user's dtype wins
+    (False, False, None, "float16"),  # CUDA `auto` for a float32 checkpoint
+])
+def test_the_floor_uses_the_gemm_rate_of_the_engines_dtype(monkeypatch, on_cpu, native_bf16, setting, expected) -> None:
+    """A float32 GEMM rate put a bfloat16 engine below "its floor" (0.7x): the rate follows the engine's dtype."""
+    import pipeline.agents.vllm_agent as va
+    from benchmarks.floor import engine_dtype
+
+    monkeypatch.setattr(va, "on_cpu_platform", lambda: on_cpu)
+    monkeypatch.setattr(va, "cpu_has_bf16", lambda cpuinfo=None: native_bf16)
+    spec = {"model": "m", "scoring": "cloze", **({"dtype": setting} if setting else {})}
+    assert engine_dtype(spec) == expected
+
+
 def test_scoring_settings_are_validated() -> None:
     from pipeline.agents.hf_agent import TransformersConfig
     from pipeline.core.errors import ConfigError
