@@ -125,7 +125,8 @@ class GamePlan:
 # -3.1 vs -8.6 pp at 128). The mean keeps the better agreement with exact Shapley values on the reader at K=10 (83.9%
 # vs 64.6% same harmful set at 128): `--estimator permutation` for that. Where the budget buys fewer than K samples
 # beyond the K+2 anchors and the clearance's reserve (N < 2K + 4: K=10 B=16, K=20 B=32) both are LOO in effect and the
-# mean was level or ahead (SmolLM2 K=10 B=16: -3.7 [-10.8, +0.0] for kernelshap), so auto keeps the mean there.
+# mean was level or ahead on exact-set match (SmolLM2 K=10 B=16: -3.7 [-10.8, +0.0] for kernelshap; reader K=20 B=32:
+# -1.0 [-3.2, +1.0], though +3.1 on recovery), so auto keeps the mean there.
 AUTO_SAMPLED = {"probability": "kernelshap", "correct": "kernelshap"}
 
 
