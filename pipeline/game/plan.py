@@ -121,12 +121,13 @@ class GamePlan:
 # verified output, kernelshap beats the permutation mean at equal budget wherever the budget buys more than the
 # anchors. Paired, exact-set match, kernelshap minus permutation: SmolLM2-135M-Instruct at K=10 (81 cases, all ten
 # conversations) +25.9 pp [+13.8, +38.5] at B=32 (held-out conversations alone +26.2), +4.9 [-2.7, +12.7] at 64;
-# reader at K=20 (488 cases) +4.5 to +7.4 from B=64, held-out too; reader at K=10 ahead at 32-128 (against ContextCite
-# -3.1 vs -8.6 pp at 128). The mean keeps the better agreement with exact Shapley values on the reader at K=10 (83.9%
-# vs 64.6% same harmful set at 128): `--estimator permutation` for that. Where the budget buys fewer than K samples
-# beyond the K+2 anchors and the clearance's reserve (N < 2K + 4: K=10 B=16, K=20 B=32) both are LOO in effect and the
-# mean was level or ahead on exact-set match (SmolLM2 K=10 B=16: -3.7 [-10.8, +0.0] for kernelshap; reader K=20 B=32:
-# -1.0 [-3.2, +1.0], though +3.1 on recovery), so auto keeps the mean there.
+# reader at K=10 (478 cases) +7.5 [+3.4, +11.7] at 32, +8.2 at 64, +5.4 [+1.2, +9.7] at 128, held-out too; reader at
+# K=20 (488 cases) +4.5 to +7.4 from B=64, held-out too. The mean keeps the better agreement with exact Shapley values
+# on the reader at K=10 (83.9% vs 64.6% same harmful set at 128): `--estimator permutation` for that. Where the budget
+# buys fewer than K samples beyond the K+2 anchors and the clearance's reserve (N < 2K + 4: K=10 B=16, K=20 B=32) both
+# are LOO in effect and the mean was level or ahead on exact-set match (SmolLM2 K=10 B=16: -3.7 [-10.8, +0.0] for
+# kernelshap; reader K=10 B=16: -0.4 [-2.9, +1.9]; reader K=20 B=32: -1.0 [-3.2, +1.0], though kernelshap recovered
+# 3-5 pp more there), so auto keeps the mean there.
 AUTO_SAMPLED = {"probability": "kernelshap", "correct": "kernelshap"}
 
 
