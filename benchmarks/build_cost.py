@@ -27,6 +27,7 @@ needs vLLM and must run under `if __name__ == "__main__":` (vLLM spawns its engi
 
 from __future__ import annotations
 
+import os
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
@@ -167,9 +168,11 @@ def compare_builds(agent: Any, index: Any, pool: Any, queries: Sequence[Any], co
 
 
 def run_builder_bench(model: str, locomo: str, conversation: str, max_queries: int, top_k: int = 5,
-                      dense: str = "auto", seed: int = 0, ways: Sequence[str] = VARIANTS) -> dict[str, Any]:
+                      dense: str = "auto", seed: int = 0, ways: Sequence[str] = VARIANTS,
+                      dtype: str = "auto") -> dict[str, Any]:
     """`compare_builds` on one LoCoMo conversation with the vLLM agent (cloze scoring, the audit's defaults), the GEMM
-    rate measured with torch before and after in the same process, the floor at the rate measured before."""
+    rate measured with torch before and after in the same process, the floor at the rate measured before. `dtype`: the
+    agent's setting (`auto`, or e.g. float32 to see on a bfloat16 CPU what a CPU without it gets)."""
     from benchmarks.floor import engine_dtype, flops_per_token, gemm_rate, model_shapes
     from pipeline.agents import AgentSpec, build_agent
     from pipeline.agents.base import AgentRequest
@@ -187,12 +190,14 @@ def run_builder_bench(model: str, locomo: str, conversation: str, max_queries: i
     index = PoolIndex(pools, top_k, dense)
     model_dir = resolve_model(model)
     per_token = flops_per_token(model_dir)
-    spec = {"model": model, "scoring": "cloze"}
+    spec = {"model": model, "scoring": "cloze", "dtype": dtype}
     dtype = engine_dtype(spec)  # the floor in the engine's own dtype (bfloat16 where the CPU has it natively)
     rates = [gemm_rate(model_shapes(model_dir), dtype=dtype)]
     t = time.perf_counter()
     agent = build_agent(AgentSpec("vllm", spec))
     start_s = time.perf_counter() - t
+    # the allocator the engine's processes started with (see pipeline.agents.vllm_agent.cpu_engine_env)
+    malloc = "tcmalloc" if "tcmalloc" in os.environ.get("LD_PRELOAD", "") else "glibc"
     try:
         first = eligible_queries([q for q in queries if q.pool_id == conversation])[0]
         agent.answer_batch([AgentRequest(first.query_id, first.question, first.options, ())])  # warm-up, untimed
@@ -200,7 +205,7 @@ def run_builder_bench(model: str, locomo: str, conversation: str, max_queries: i
     finally:
         agent.close()
     rates.append(gemm_rate(model_shapes(model_dir), dtype=dtype))
-    return {"model": model, "scoring": "cloze", "retrieval": index.mode, "engine_start_s": start_s,
+    return {"model": model, "scoring": "cloze", "retrieval": index.mode, "engine_start_s": start_s, "malloc": malloc,
             "flops_per_token": per_token, "gemm_dtype": dtype, "gemm_rate_before": rates[0],
             "gemm_rate_after": rates[1], **rep}
 
@@ -228,7 +233,8 @@ def format_builder(report: Mapping[str, Any]) -> str:
         head += (f": {report['flops_per_token'] / 1e9:.3f} GFLOP/token, GEMM rate "
                  f"({report.get('gemm_dtype', 'float32')}) "
                  f"{report['gemm_rate_before']['best'] / 1e9:.1f} GFLOP/s before, "
-                 f"{report['gemm_rate_after']['best'] / 1e9:.1f} after; engine start {report['engine_start_s']:.0f} s")
+                 f"{report['gemm_rate_after']['best'] / 1e9:.1f} after; engine start {report['engine_start_s']:.0f} s, "
+                 f"{report.get('malloc', 'glibc')} malloc")
     lines = [head, "",
              "| variant | clean-checked queries | cases | requests clean / verify | engine calls clean / verify | "
              "prompt tokens | uncached tokens (clean / verify) | embed s | wall s | s per clean-checked query | "

@@ -91,27 +91,58 @@ def floor_seconds(uncached_tokens: int, per_token_flops: float, rate: float) -> 
 
 @dataclass
 class FloorRow:
-    """One scoring method on one K=5 case: tokens, FLOPs, time (median of passes), ratio to the floor."""
+    """One scoring method on one K=5 case: tokens, FLOPs, time (median of passes), ratio to the floor (at the higher of
+    the GEMM rates measured before and after the passes)."""
 
     scoring: str
     method: str
+    malloc: str  # the engine's allocator: tcmalloc preloaded, or glibc
     coalitions: int
     requests: int  # engine requests (cloze: per option; retries included)
     prompt_tokens: int
     uncached_tokens: int
     gflop: float
     floor_s: float
-    seconds: float  # median over passes, prefix cache reset before each
+    seconds: float  # median over the timed passes, prefix cache reset before each, after one untimed pass
     ratio: float  # seconds / floor_s
     answers_equal_to_first: float  # agreement of the chosen options with the first row of the same scoring
     max_prob_diff: float  # largest |option probability difference| against that row
+    pass_seconds: tuple[float, ...] = ()  # every timed pass, in order
+
+
+def _engine_env(malloc: str) -> dict[str, str | None]:
+    """Set MECLEAR_CPU_MALLOC for the next engine and drop a tcmalloc an earlier engine of this run preloaded; returns
+    what to restore."""
+    import os
+
+    saved = {k: os.environ.get(k) for k in ("MECLEAR_CPU_MALLOC", "LD_PRELOAD")}
+    os.environ["MECLEAR_CPU_MALLOC"] = malloc
+    kept = [lib for lib in os.environ.get("LD_PRELOAD", "").split(":") if lib and "tcmalloc" not in lib]
+    if kept:
+        os.environ["LD_PRELOAD"] = ":".join(kept)
+    else:
+        os.environ.pop("LD_PRELOAD", None)
+    return saved
+
+
+def _restore_env(saved: Mapping[str, str | None]) -> None:
+    import os
+
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 def run_floor_case(model: str, locomo: str, conversation: str, top_k: int = 5, passes: int = 3,
-                   case_index: int = 0) -> dict[str, Any]:
-    """Build one vLLM agent (the audit's defaults), answer all 2^K coalitions of one LoCoMo case as one batch under
-    cloze (the step method before, the prompt-log-probability method now) and letter scoring, each `passes` times from
-    an empty prefix cache; measure the GEMM rate in the same process, before and after."""
+                   case_index: int = 0, mallocs: Sequence[str] = ("glibc", "auto"),
+                   dtype: str = "auto") -> dict[str, Any]:
+    """Answer all 2^K coalitions of one LoCoMo case as one batch, each `passes` times from an empty prefix cache, on one
+    vLLM agent (the audit's defaults) per allocator in `mallocs` (MECLEAR_CPU_MALLOC; see
+    `pipeline.agents.vllm_agent.cpu_engine_env`): on the first, cloze by the step method (the method before) and by
+    prompt log-probabilities (now) and letter scoring; on the others the last two. Measures the GEMM rate in the same
+    process, before and after, in the engine's dtype (`dtype`: the agent's setting)."""
     from statistics import median
 
     from pipeline.agents import AgentSpec, build_agent, prompts
@@ -128,46 +159,72 @@ def run_floor_case(model: str, locomo: str, conversation: str, top_k: int = 5, p
     case = make_cases(queries[: case_index + 1], contexts, seed=0)[case_index]
     batch = [case.request(mask) for mask in range(1 << case.k)]
     per_token = flops_per_token(model_dir)
-    spec = {"model": model, "scoring": "cloze"}
+    spec = {"model": model, "scoring": "cloze", "dtype": dtype}
     dtype = engine_dtype(spec)
     rates = [gemm_rate(model_shapes(model_dir), dtype=dtype)]
-    t = time.perf_counter()
-    agent = build_agent(AgentSpec("vllm", spec))
-    start_s = time.perf_counter() - t
     rows: list[FloorRow] = []
-    try:
-        tokenizer = agent.builder.tokenizer
-        variants = [("cloze", CLOZE_STEPS), ("cloze", CLOZE_PROMPT), ("letter", "one token")]
-        firsts: dict[str, list] = {}
-        for scoring, method in variants:
-            # the same engine, its prompt builder switched: letter scoring lists the options, cloze does not
-            agent.builder = prompts.PromptBuilder(tokenizer, agent.config.max_options, cloze=scoring == "cloze")
-            agent.cloze_method = method if scoring == "cloze" else CLOZE_PROMPT
-            times, responses, retries = [], [], agent.cloze_retries
-            n_requests = len(engine_jobs(agent.builder, agent.config, agent._vllm.SamplingParams, batch, 1,
-                                         agent.cloze_method))
-            for _ in range(passes):
+    starts: dict[str, float] = {}
+    preloads: dict[str, str] = {}
+    firsts: dict[str, list] = {}
+    from pipeline.agents.vllm_agent import on_cpu_platform
+
+    if not on_cpu_platform():
+        mallocs = tuple(mallocs)[:1]  # the allocator choice applies to CPU engines only: one engine is enough
+    for n, malloc in enumerate(mallocs):
+        saved = _engine_env(malloc)
+        t = time.perf_counter()
+        try:
+            agent = build_agent(AgentSpec("vllm", spec))
+        finally:
+            import os
+
+            preloads[malloc] = os.environ.get("LD_PRELOAD", "")  # what the engine's processes were started with
+            _restore_env(saved)
+        starts[malloc] = time.perf_counter() - t
+        try:
+            tokenizer = agent.builder.tokenizer
+            variants = [("cloze", CLOZE_STEPS)] if n == 0 else []
+            variants += [("cloze", CLOZE_PROMPT), ("letter", "one token")]
+            for scoring, method in variants:
+                # the same engine, its prompt builder switched: letter scoring lists the options, cloze does not
+                agent.builder = prompts.PromptBuilder(tokenizer, agent.config.max_options, cloze=scoring == "cloze")
+                agent.cloze_method = method if scoring == "cloze" else CLOZE_PROMPT
+                n_requests = len(engine_jobs(agent.builder, agent.config, agent._vllm.SamplingParams, batch, 1,
+                                             agent.cloze_method))
+                # one untimed pass first: a methods phase answers case after case on a warm engine, and the first
+                # batch of a new shape mix pays one-off costs (oneDNN builds a kernel per new matrix shape)
                 agent.reset_prefix_cache()
-                t = time.perf_counter()
-                responses = agent.answer_batch(batch)
-                times.append(time.perf_counter() - t)
-            n_requests += (agent.cloze_retries - retries) // passes
-            prompt = sum(r.prompt_tokens or 0 for r in responses)
-            uncached = prompt - sum(r.cached_tokens or 0 for r in responses)
-            floor = floor_seconds(uncached, per_token, rates[0]["best"])
-            ref = firsts.setdefault(scoring, responses)
-            agree = sum(a.answer == b.answer for a, b in zip(responses, ref)) / len(batch)
-            diff = max(abs(x - y) for a, b in zip(responses, ref) for x, y in zip(a.option_probs, b.option_probs))
-            secs = median(times)
-            rows.append(FloorRow(scoring, method, len(batch), n_requests, prompt, uncached,
-                                 uncached * per_token / 1e9, floor, secs, secs / floor, agree, diff))
-    finally:
-        agent.close()
+                agent.answer_batch(batch)
+                times, responses, retries = [], [], agent.cloze_retries
+                for _ in range(passes):
+                    agent.reset_prefix_cache()
+                    t = time.perf_counter()
+                    responses = agent.answer_batch(batch)
+                    times.append(time.perf_counter() - t)
+                n_requests += (agent.cloze_retries - retries) // passes
+                prompt = sum(r.prompt_tokens or 0 for r in responses)
+                uncached = prompt - sum(r.cached_tokens or 0 for r in responses)
+                ref = firsts.setdefault(scoring, responses)
+                agree = sum(a.answer == b.answer for a, b in zip(responses, ref)) / len(batch)
+                diff = max(abs(x - y) for a, b in zip(responses, ref) for x, y in zip(a.option_probs, b.option_probs))
+                secs = median(times)
+                label = "tcmalloc" if "tcmalloc" in preloads[malloc] else "glibc"
+                rows.append(FloorRow(scoring, method, label, len(batch), n_requests, prompt, uncached,
+                                     uncached * per_token / 1e9, 0.0, secs, 0.0, agree, diff,
+                                     tuple(times)))
+        finally:
+            agent.close()
     rates.append(gemm_rate(model_shapes(model_dir), dtype=dtype))
+    # The floor at the best rate the machine showed in this run: a rate measured while something else briefly ran
+    # (an engine of an earlier run still exiting measured 487 GFLOP/s against 980 after) would lower the bar.
+    rate = max(rates[0]["best"], rates[1]["best"])
+    for r in rows:
+        r.floor_s = floor_seconds(r.uncached_tokens, per_token, rate)
+        r.ratio = r.seconds / r.floor_s
     return {"model": model, "conversation": conversation, "query": case.query.query_id, "top_k": top_k,
-            "options": list(case.query.options), "passes": passes, "engine_start_s": start_s,
-            "flops_per_token": per_token, "gemm_dtype": dtype, "gemm_rate_before": rates[0],
-            "gemm_rate_after": rates[1],
+            "options": list(case.query.options), "passes": passes, "engine_start_s": starts,
+            "ld_preload": preloads, "flops_per_token": per_token, "gemm_dtype": dtype,
+            "gemm_rate_before": rates[0], "gemm_rate_after": rates[1],
             "rows": [asdict(r) for r in rows]}
 
 
@@ -176,14 +233,21 @@ def format_floor(report: Mapping[str, Any]) -> str:
     lines = [f"model {report['model']}, {report['conversation']} {report['query']}, K={report['top_k']}: "
              f"{report['flops_per_token'] / 1e9:.3f} GFLOP/token, GEMM rate ({report.get('gemm_dtype', 'float32')}) "
              f"{rate / 1e9:.1f} GFLOP/s before, "
-             f"{report['gemm_rate_after']['best'] / 1e9:.1f} after; engine start {report['engine_start_s']:.0f} s",
+             f"{report['gemm_rate_after']['best'] / 1e9:.1f} after (the floor at the higher); engine start "
+             + ", ".join(f"{s:.0f} s ({m})" for m, s in _starts(report).items()),
              "",
-             "| scoring | method | coalitions | requests | prompt tokens | uncached tokens | GFLOP | floor s | "
-             "time s | time / floor | answers equal | max prob diff |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| scoring | method | malloc | coalitions | requests | prompt tokens | uncached tokens | GFLOP | "
+             "floor s | time s | time / floor | answers equal | max prob diff |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
-        lines.append(f"| {r['scoring']} | {r['method']} | {r['coalitions']} | {r['requests']} | "
-                     f"{r['prompt_tokens']:,} | "
+        lines.append(f"| {r['scoring']} | {r['method']} | {r.get('malloc', 'glibc')} | {r['coalitions']} | "
+                     f"{r['requests']} | {r['prompt_tokens']:,} | "
                      f"{r['uncached_tokens']:,} | {r['gflop']:.1f} | {r['floor_s']:.2f} | {r['seconds']:.2f} | "
                      f"{r['ratio']:.1f}x | {r['answers_equal_to_first']:.0%} | {r['max_prob_diff']:.1e} |")
     return "\n".join(lines)
+
+
+def _starts(report: Mapping[str, Any]) -> dict[str, float]:
+    """Engine start seconds by allocator choice (reports before 2026-12-04 held one number)."""
+    s = report["engine_start_s"]
+    return dict(s) if isinstance(s, Mapping) else {"glibc": float(s)}

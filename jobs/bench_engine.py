@@ -6,8 +6,9 @@
     python jobs/bench_engine.py --model smollm2-135m-instruct --builder --locomo locomo10.json --max-queries 8
 
 --floor: one K=5 LoCoMo case under cloze (the step method before and the prompt-log-probability method now) and letter
-scoring on one engine: prompt and uncached tokens, the FLOPs they imply, the GEMM rate measured in the same run with
-torch, the time and its ratio to that floor (see benchmarks/floor.py).
+scoring, on an engine with glibc malloc and then on one with tcmalloc preloaded (--malloc): prompt and uncached tokens,
+the FLOPs they imply, the GEMM rate measured in the same run with torch, the time and its ratio to that floor (see
+benchmarks/floor.py).
 
 --builder: the FI-LoCoMo cases of one conversation (its first --max-queries eligible queries) built twice on one
 engine, "before" with per-candidate causal checks and "after" with the wave-batched ones, each from empty caches:
@@ -55,6 +56,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="MiniLM in retrieval, as for meclear eval (--builder; default auto)")
     p.add_argument("--query-index", type=int, default=0, help="which eligible query of it (--floor; default 0)")
     p.add_argument("--passes", type=int, default=3, help="timed passes per method, cache emptied each (--floor)")
+    p.add_argument("--malloc", default="glibc,auto",
+                   help="one engine per MECLEAR_CPU_MALLOC value, the first is the one before (--floor; default "
+                        "glibc,auto: glibc malloc, then tcmalloc where the system has it)")
+    p.add_argument("--dtype", default="auto",
+                   help="the agent's dtype (--floor, --builder; default auto: bfloat16 on a CPU with native bfloat16, "
+                        "float32 on one without; float32 on a bfloat16 CPU shows what the others get)")
     p.add_argument("--out", default="bench-engine.json", help="JSON report (default bench-engine.json)")
     args = p.parse_args(argv)
     if args.builder:
@@ -67,15 +74,19 @@ def main(argv: list[str] | None = None) -> int:
         if not args.locomo or args.max_queries < 1 or args.top_k < 2:
             p.error("--builder needs --locomo; --max-queries must be >= 1 and --top-k >= 2")
         rep = run_builder_bench(args.model, args.locomo, args.conversation, args.max_queries, args.top_k, args.dense,
-                                ways=ways)
+                                ways=ways, dtype=args.dtype)
         _write(rep, format_builder(rep), args.out)
         return 0 if rep["identical"] else 1  # the cases must be the same every way
     if args.floor:
+        mallocs = [m for m in args.malloc.split(",") if m]
         if not args.locomo or args.passes < 1 or args.top_k < 1:
             p.error("--floor needs --locomo; --passes and --top-k must be >= 1")
+        if not mallocs or set(mallocs) - {"glibc", "auto"}:
+            p.error(f"--malloc must list glibc and/or auto, got {args.malloc!r}")
         from benchmarks.floor import format_floor, run_floor_case
 
-        rep = run_floor_case(args.model, args.locomo, args.conversation, args.top_k, args.passes, args.query_index)
+        rep = run_floor_case(args.model, args.locomo, args.conversation, args.top_k, args.passes, args.query_index,
+                             mallocs, dtype=args.dtype)
         _write(rep, format_floor(rep), args.out)
         return 0
     names = [n for n in args.variants.split(",") if n]

@@ -123,6 +123,11 @@ class VLLMHandle:
 
         return ray.get(self._actor.fingerprint.remote())
 
+    def engine_malloc(self) -> str:
+        import ray
+
+        return ray.get(self._actor.engine_malloc.remote())
+
 
 @pytest.fixture(scope="module")
 def vllm_agent(tiny_model: str, ray_session: None) -> Iterator[VLLMHandle]:

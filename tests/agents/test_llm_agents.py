@@ -188,6 +188,17 @@ def test_vllm_matches_transformers(vllm_agent, hf_agent) -> None:  # noqa: F811
 
 
 @pytest.mark.llm
+def test_vllm_engine_runs_with_tcmalloc_where_the_system_has_it(vllm_agent) -> None:  # noqa: F811
+    """The engine's processes really load the allocator `cpu_engine_env` preloads (read from their memory maps)."""
+    from pipeline.agents.vllm_agent import find_tcmalloc
+
+    got = vllm_agent.engine_malloc()
+    if find_tcmalloc() is None:
+        assert got in ("glibc", "unknown")
+        pytest.skip("no tcmalloc on this machine (apt-get install libtcmalloc-minimal4)")
+    assert got == "tcmalloc"
+
+
 def test_vllm_prefix_cache_serves_most_of_a_case(vllm_agent) -> None:  # noqa: F811
     # A question no other test sends, so every hit comes from this batch's own shared prefix.
     requests = coalitions("case-c", "Which city is the user's home town?", MEMORIES)
@@ -354,9 +365,41 @@ def test_cpu_engine_defaults_follow_the_machine() -> None:
     assert resolved_dtype(auto, on_cpu=True, cpuinfo=amx) == "auto"
     assert resolved_dtype(auto, on_cpu=False, cpuinfo=avx2) == "auto"  # CUDA: vLLM's choice
     assert resolved_dtype(VLLMConfig(model="m", dtype="bfloat16"), on_cpu=True, cpuinfo=avx2) == "bfloat16"
-    assert cpu_engine_env({}, cpus=[0, 1]) == {"VLLM_CPU_OMP_THREADS_BIND": "0,1"}
-    assert cpu_engine_env({"VLLM_CPU_OMP_THREADS_BIND": "auto"}, cpus=[0, 1]) == {}
-    assert cpu_engine_env({}, cpus=range(64)) == {}
+    bare = dict(look_for_tcmalloc=False)  # what this machine has installed must not decide the assertions
+    assert cpu_engine_env({}, cpus=[0, 1], **bare) == {"VLLM_CPU_OMP_THREADS_BIND": "0,1"}
+    assert cpu_engine_env({"VLLM_CPU_OMP_THREADS_BIND": "auto"}, cpus=[0, 1], **bare) == {}
+    assert cpu_engine_env({}, cpus=range(64), **bare) == {}
+
+
+def test_cpu_engine_preloads_tcmalloc_unless_the_user_chose_an_allocator(tmp_path, caplog) -> None:
+    """tcmalloc goes first in the engine's LD_PRELOAD when the system has it; an allocator the user preloads, or
+    MECLEAR_CPU_MALLOC=glibc, wins; an unknown choice is an error that names the allowed ones."""
+    from pipeline.agents.vllm_agent import cpu_engine_env, find_tcmalloc
+    from pipeline.core.errors import AgentError
+
+    assert find_tcmalloc([str(tmp_path)]) is None
+    (tmp_path / "libtcmalloc_minimal.so.4").write_bytes(b"")
+    lib = find_tcmalloc([str(tmp_path / "missing"), str(tmp_path)])
+    assert lib == str(tmp_path / "libtcmalloc_minimal.so.4")
+    many = range(64)  # no thread binding, so only the allocator is in the result
+    assert cpu_engine_env({}, cpus=many, tcmalloc=lib) == {"LD_PRELOAD": lib}
+    assert cpu_engine_env({"LD_PRELOAD": "/x/libgomp.so.1"}, cpus=many, tcmalloc=lib) == {
+        "LD_PRELOAD": f"{lib}:/x/libgomp.so.1"}
+    assert cpu_engine_env({"LD_PRELOAD": "/x/libjemalloc.so.2"}, cpus=many, tcmalloc=lib) == {}
+    assert cpu_engine_env({"LD_PRELOAD": "/y/libtcmalloc.so.4"}, cpus=many, tcmalloc=lib) == {}
+    assert cpu_engine_env({"MECLEAR_CPU_MALLOC": "glibc"}, cpus=many, tcmalloc=lib) == {}
+    with pytest.raises(AgentError, match="MECLEAR_CPU_MALLOC must be one of auto, glibc, got 'jemalloc'"):
+        cpu_engine_env({"MECLEAR_CPU_MALLOC": "jemalloc"}, cpus=many, tcmalloc=lib)
+
+
+
+def test_cpu_engine_says_how_to_get_tcmalloc_when_the_system_has_none(monkeypatch, caplog) -> None:
+    from pipeline.agents import vllm_agent as module
+
+    monkeypatch.setattr(module, "find_tcmalloc", lambda: None)
+    with caplog.at_level(logging.WARNING, logger="pipeline.agents.vllm_agent"):
+        assert module.cpu_engine_env({}, cpus=range(64)) == {}
+    assert "apt-get install libtcmalloc-minimal4" in caplog.text
 
 
 def test_eager_by_default_on_cpu_only() -> None:

@@ -92,6 +92,24 @@ def test_flops_per_token_counts_smollm2_matmul_parameters(tmp_path) -> None:
     assert floor_seconds(1000, 2e8, 1e11) == pytest.approx(2.0)
 
 
+def test_the_floor_table_names_each_engines_allocator_and_reads_older_reports() -> None:
+    from benchmarks.floor import format_floor
+
+    row = {"scoring": "cloze", "method": "prompt", "coalitions": 32, "requests": 133, "prompt_tokens": 39168,
+           "uncached_tokens": 7040, "gflop": 1893.5, "floor_s": 2.0, "seconds": 3.6, "ratio": 1.8,
+           "answers_equal_to_first": 1.0, "max_prob_diff": 0.0}
+    report = {"model": "m", "conversation": "conv-26", "query": "q0", "top_k": 5, "flops_per_token": 2.69e8,
+              "gemm_dtype": "bfloat16", "gemm_rate_before": {"best": 9e11}, "gemm_rate_after": {"best": 8e11},
+              "engine_start_s": {"glibc": 30.0, "auto": 24.0},
+              "rows": [{**row, "malloc": "glibc", "seconds": 4.4, "ratio": 2.2}, {**row, "malloc": "tcmalloc"}]}
+    table = format_floor(report)
+    assert "engine start 30 s (glibc), 24 s (auto)" in table
+    assert "| cloze | prompt | glibc | 32 | 133 |" in table and "| 4.40 | 2.2x |" in table
+    assert "| cloze | prompt | tcmalloc | 32 | 133 |" in table and "| 3.60 | 1.8x |" in table
+    old = {**report, "engine_start_s": 31.0, "rows": [row]}  # a report written before the allocator column
+    assert "engine start 31 s (glibc)" in format_floor(old) and "| prompt | glibc |" in format_floor(old)
+
+
 @pytest.mark.parametrize(("on_cpu", "native_bf16", "setting", "expected"), [
     (True, True, None, "bfloat16"),  # vLLM's CPU `auto` kept where the CPU computes bfloat16 natively
     (True, False, None, "float32"),  # the agent's AVX2 default
