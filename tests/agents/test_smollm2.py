@@ -92,6 +92,24 @@ def test_flops_per_token_counts_smollm2_matmul_parameters(tmp_path) -> None:
     assert floor_seconds(1000, 2e8, 1e11) == pytest.approx(2.0)
 
 
+def test_the_gemm_rate_takes_the_faster_of_torch_and_the_engines_own_kernel() -> None:
+    """On a CPU with vLLM the rate of each shape is the faster of torch's matmul and vLLM's oneDNN GEMM (the one its
+    linear layers use), so a floor is never set by a kernel slower than the engine's."""
+    pytest.importorskip("torch")
+    from benchmarks.floor import gemm_rate
+
+    rate = gemm_rate([(16, 32, 48)], dtype="float32", seconds=0.01)
+    assert rate["16x32x48 torch"] > 0
+    assert rate["16x32x48"] == max(rate["16x32x48 torch"], rate.get("16x32x48 onednn", 0.0))
+    assert rate["best"] == rate["16x32x48"]
+    try:
+        import vllm._custom_ops as ops
+    except ImportError:
+        return
+    if getattr(ops, "_supports_onednn", False):
+        assert rate["16x32x48 onednn"] > 0
+
+
 def test_the_floor_table_names_each_engines_allocator_and_reads_older_reports() -> None:
     from benchmarks.floor import format_floor
 
