@@ -173,14 +173,15 @@ def run_floor_case(model: str, locomo: str, conversation: str, top_k: int = 5, p
                    dtype: str = "auto") -> dict[str, Any]:
     """Answer all 2^K coalitions of one LoCoMo case as one batch, each `passes` times from an empty prefix cache, on one
     vLLM agent (the audit's defaults) per allocator in `mallocs` (MECLEAR_CPU_MALLOC; see
-    `pipeline.agents.vllm_agent.cpu_engine_env`): on the first, cloze by the step method (the method before) and by
-    prompt log-probabilities (now) and letter scoring; on the others the last two. Measures the GEMM rate in the same
+    `pipeline.agents.vllm_agent.cpu_engine_env`): on the first, cloze by the step method (the first method), by
+    option requests alone (`prompt`, the method before), with a prefix request per coalition (`prefix`, the audit's
+    default) and letter scoring; on the others the last three. Measures the GEMM rate in the same
     process, before and after, in the engine's dtype (`dtype`: the agent's setting)."""
     from statistics import median
 
     from pipeline.agents import AgentSpec, build_agent, prompts
     from pipeline.agents.models import resolve_model
-    from pipeline.agents.vllm_agent import CLOZE_PROMPT, CLOZE_STEPS, engine_jobs
+    from pipeline.agents.vllm_agent import CLOZE_PREFIX, CLOZE_PROMPT, CLOZE_STEPS, engine_jobs
     from pipeline.audit.cases import make_cases
     from pipeline.audit.run import InputSpec
     from pipeline.retrieval.frozen import Retriever
@@ -194,14 +195,15 @@ def run_floor_case(model: str, locomo: str, conversation: str, top_k: int = 5, p
     per_token = flops_per_token(model_dir)
     spec = {"model": model, "scoring": "cloze", "dtype": dtype}
     dtype = engine_dtype(spec)
-    rates = [gemm_rate(model_shapes(model_dir), dtype=dtype)]
+    from pipeline.agents.vllm_agent import on_cpu_platform
+
+    device = "cpu" if on_cpu_platform() else "cuda"  # the engine's own device sets the floor's GEMM rate
+    rates = [gemm_rate(model_shapes(model_dir), dtype=dtype, device=device)]
     rows: list[FloorRow] = []
     starts: dict[str, float] = {}
     preloads: dict[str, str] = {}
     firsts: dict[str, list] = {}
-    from pipeline.agents.vllm_agent import on_cpu_platform
-
-    if not on_cpu_platform():
+    if device != "cpu":
         mallocs = tuple(mallocs)[:1]  # the allocator choice applies to CPU engines only: one engine is enough
     for n, malloc in enumerate(mallocs):
         saved = _engine_env(malloc)
@@ -217,13 +219,13 @@ def run_floor_case(model: str, locomo: str, conversation: str, top_k: int = 5, p
         try:
             tokenizer = agent.builder.tokenizer
             variants = [("cloze", CLOZE_STEPS)] if n == 0 else []
-            variants += [("cloze", CLOZE_PROMPT), ("letter", "one token")]
+            variants += [("cloze", CLOZE_PROMPT), ("cloze", CLOZE_PREFIX), ("letter", "one token")]
             for scoring, method in variants:
                 # the same engine, its prompt builder switched: letter scoring lists the options, cloze does not
                 agent.builder = prompts.PromptBuilder(tokenizer, agent.config.max_options, cloze=scoring == "cloze")
-                agent.cloze_method = method if scoring == "cloze" else CLOZE_PROMPT
+                agent.cloze_method = method if scoring == "cloze" else CLOZE_PREFIX
                 n_requests = len(engine_jobs(agent.builder, agent.config, agent._vllm.SamplingParams, batch, 1,
-                                             agent.cloze_method))
+                                             agent.cloze_method, agent.block_size))
                 # one untimed pass first: a methods phase answers case after case on a warm engine, and the first
                 # batch of a new shape mix pays one-off costs (oneDNN builds a kernel per new matrix shape)
                 agent.reset_prefix_cache()
@@ -247,7 +249,7 @@ def run_floor_case(model: str, locomo: str, conversation: str, top_k: int = 5, p
                                      tuple(times)))
         finally:
             agent.close()
-    rates.append(gemm_rate(model_shapes(model_dir), dtype=dtype))
+    rates.append(gemm_rate(model_shapes(model_dir), dtype=dtype, device=device))
     # The floor at the best rate the machine showed in this run: a rate measured while something else briefly ran
     # (an engine of an earlier run still exiting measured 487 GFLOP/s against 980 after) would lower the bar.
     rate = max(rates[0]["best"], rates[1]["best"])
@@ -256,7 +258,7 @@ def run_floor_case(model: str, locomo: str, conversation: str, top_k: int = 5, p
         r.ratio = r.seconds / r.floor_s
     return {"model": model, "conversation": conversation, "query": case.query.query_id, "top_k": top_k,
             "options": list(case.query.options), "passes": passes, "engine_start_s": starts,
-            "ld_preload": preloads, "flops_per_token": per_token, "gemm_dtype": dtype,
+            "ld_preload": preloads, "flops_per_token": per_token, "gemm_dtype": dtype, "gemm_device": device,
             "gemm_rate_before": rates[0], "gemm_rate_after": rates[1],
             "rows": [asdict(r) for r in rows]}
 

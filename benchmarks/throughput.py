@@ -265,11 +265,13 @@ def run_bare(engine_config: Any, warmup: Sequence[WorkItem], batches: Sequence[S
         # the agent's own scoring: cloze sends several step requests per coalition (see pipeline.agents.vllm_agent)
         cloze = resolved_scoring(engine_config.scoring, model_identity(kwargs["model"])) == "cloze"
         builder = prompts.PromptBuilder(llm.get_tokenizer(), engine_config.max_options, cloze=cloze)
+        # the agent's cloze prefix requests need the engine's block size (VLLMAgent._engine_block_size)
+        block = llm.llm_engine.vllm_config.cache_config.block_size if engine_config.enable_prefix_caching else None
         cases = len({it.case_index for b in batches for it in b})
 
         def prepare(batch: Sequence[WorkItem], shuffled: bool) -> tuple[list[Any], list[Any]]:
             requests = batch_requests(batch)
-            jobs = engine_jobs(builder, engine_config, vllm.SamplingParams, requests, call_index=1)
+            jobs = engine_jobs(builder, engine_config, vllm.SamplingParams, requests, call_index=1, block=block)
             if not all(r.options for r in requests):
                 raise ConfigError("agent benchmark: open-answer queries are not supported (use multiple choice)")
             # Under cloze the memories-first variant is not built (its step requests would need their own layout):

@@ -5,8 +5,9 @@
     python jobs/bench_engine.py --model smollm2-135m-instruct --floor --locomo locomo10.json   # floor ratio
     python jobs/bench_engine.py --model smollm2-135m-instruct --builder --locomo locomo10.json --max-queries 8
 
---floor: one K=5 LoCoMo case under cloze (the step method before and the prompt-log-probability method now) and letter
-scoring, on an engine with glibc malloc and then on one with tcmalloc preloaded (--malloc): prompt and uncached tokens,
+--floor: one K=5 LoCoMo case under cloze (the step method first, then option requests alone, then the audit's default
+with a prefix request per coalition) and letter scoring, on an engine with glibc malloc and then on one with tcmalloc
+preloaded (--malloc): prompt and uncached tokens,
 the FLOPs they imply, the GEMM rate measured in the same run with torch, the time and its ratio to that floor (see
 benchmarks/floor.py).
 

@@ -8,6 +8,10 @@
 #    transformers agent on a synthetic pool, and its ratio to the compute floor; where vLLM is installed, the vLLM agent
 #    too. Without a GPU it stops at the first CUDA call with one line (exit 2).
 # 2. Where vLLM and Ray are installed: jobs/bench_agents.py, the Ray pipeline against a bare LLM.generate loop.
+# 3. Where vLLM is installed and LOCOMO names LoCoMo's locomo10.json: jobs/bench_engine.py --floor, the CPU floor-ratio
+#    benchmark (K=5 LoCoMo cases under cloze and letter scoring against tokens x FLOPs / the GPU's measured GEMM rate),
+#    for the first three eligible queries of conv-26. Run it with a model of 1B parameters or more (a folder): on a
+#    GPU SmolLM2-135M is too small to keep the GEMMs busy, so its ratio says little about a production model.
 #
 # Installs nothing: vLLM comes from the pinned extra (pip install -e '.[gpu]': vLLM 0.33.x, CUDA 13 wheels, NVIDIA
 # driver >= 580), never unpinned. max_model_len is the model's own (at most 4096), not fixed here. Reports go to $OUT
@@ -37,4 +41,13 @@ if not v.startswith("0.33."):
 PY
 timeout 900 "$python" jobs/bench_agents.py --model "$model" --gpus-per-actor 1 \
   --agent-option dtype=bfloat16 --repetitions 3 --out "$out/bench-agents-gpu.json" "$@" || rc=$?
+
+if [ -z "${LOCOMO:-}" ] || [ ! -f "$LOCOMO" ]; then
+  echo "gpu_bench: set LOCOMO=path/to/locomo10.json for the floor-ratio benchmark (skipped)"
+  exit "$rc"
+fi
+for q in 0 1 2; do
+  timeout 900 "$python" jobs/bench_engine.py --model "$model" --floor --locomo "$LOCOMO" --passes 3 \
+    --query-index "$q" --out "$out/bench-floor-gpu-q$q.json" || rc=$?
+done
 exit "$rc"

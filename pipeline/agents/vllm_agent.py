@@ -15,8 +15,17 @@ and the model runner fills prompt log-probabilities from the first uncomputed po
 (`_get_prompt_logprobs_dict`: `start_idx = request.num_computed_tokens`). Rows before that are left unset, so an
 option whose first scored position was served from the cache (`num_cached_tokens` > prompt length - 1: a prompt that
 ends on a block boundary, or options sharing leading tokens) is asked again with cache reads off; that is rare.
-The earlier method (`CLOZE_STEPS`: one max_tokens=1 step request per option-token prefix, kept for the benchmark's
-before/after) sends L requests for an option of L tokens, each recomputing the last partial block.
+The first option request of a coalition would compute the whole uncached prompt with prompt log-probabilities: the
+output head over the vocabulary (49,152 for SmolLM2, a fifth of its FLOPs per token) plus a float32 log-softmax and
+rank for every prompt token, none of which is read. So (`CLOZE_PREFIX`, the default) each coalition first sends a
+prefix request without log-probabilities, cut to its whole KV blocks plus one token (`prefix_length`): the engine
+computes and caches those blocks and runs the head on one position; the option requests then read them and compute
+only the last partial block and the option, as before. The extra token keeps a fully cached prefix from recomputing
+its last block (vLLM never serves a prompt's last token from the cache). Same tokens computed (one more per
+coalition), same log-probabilities.
+The earlier methods, kept for the benchmark's before/after: `CLOZE_PROMPT` (the option requests alone) and
+`CLOZE_STEPS` (one max_tokens=1 step request per option-token prefix: L requests for an option of L tokens, each
+recomputing the last partial block).
 
 vLLM starts its engine in a spawned process, so this class must be built inside a Ray actor or under
 `if __name__ == "__main__":`.
@@ -60,9 +69,11 @@ CPU_BLOCK_SIZE = 32  # see VLLMConfig.resolved_block_size
 CPU_KV_CACHE_GIB = 2.0
 # Machines with at most this many CPUs get the engine's threads on every CPU (see `cpu_engine_env`).
 SMALL_CPU_MACHINE = 4
-CLOZE_PROMPT = "prompt"  # one request per option, prompt log-probabilities with prefix-cache reads (the default)
-CLOZE_STEPS = "steps"  # one step request per option-token prefix (the method before; kept for jobs/bench_engine.py)
-CLOZE_METHODS = (CLOZE_PROMPT, CLOZE_STEPS)
+# How cloze options are scored (see the module docstring); all three compute the same log-probabilities.
+CLOZE_PREFIX = "prefix"  # a block-aligned prefix request without log-probabilities, then one per option (the default)
+CLOZE_PROMPT = "prompt"  # one request per option, prompt log-probabilities with prefix-cache reads (the method before)
+CLOZE_STEPS = "steps"  # one step request per option-token prefix (the first method; kept for jobs/bench_engine.py)
+CLOZE_METHODS = (CLOZE_PREFIX, CLOZE_PROMPT, CLOZE_STEPS)
 # Where `find_tcmalloc` looks, and for which names (gperftools' minimal build first: it is what vLLM's CPU docs use).
 TCMALLOC_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
 TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
@@ -218,9 +229,9 @@ def cpu_engine_env(environ: Mapping[str, str] | None = None, cpus: Sequence[int]
     Allocator: the engine's worker allocates a fresh logits tensor every step (tokens x vocabulary, hundreds of MB
     for cloze's prompt log-probabilities); glibc serves such sizes with mmap, so every step page-faults them in again.
     With tcmalloc preloaded (vLLM's own advice for CPUs, which its PyPI wheel does not ship) the worker took 33k minor
-    faults instead of 545k over eight K=5 cloze cases, and three SmolLM2 K=5 cloze cases took 3.33 / 3.94 / 2.57 s
-    instead of 4.61 / 6.68 / 3.16 s, 1.7-1.8x their compute floor instead of 2.2-2.9x (2 cores with native bfloat16,
-    `jobs/bench_engine.py --floor`, 2026-12-04; answers identical). So the first tcmalloc found on the system
+    faults instead of 545k over eight K=5 cloze cases, and three SmolLM2 K=5 cloze cases took 3.01 / 3.53 / 2.24 s
+    instead of 3.82 / 5.42 / 2.24 s, 1.6-1.7x their compute floor instead of 1.7-2.4x (2 cores with native bfloat16,
+    `jobs/bench_engine.py --floor`, 2026-12-05; answers identical). So the first tcmalloc found on the system
     (`find_tcmalloc`, or `tcmalloc`) goes first in LD_PRELOAD, unless LD_PRELOAD already names tcmalloc or jemalloc,
     or MECLEAR_CPU_MALLOC=glibc. It reaches only the engine's processes, which start after this (the worker is
     spawned, so the loader reads LD_PRELOAD afresh).
@@ -239,7 +250,7 @@ def cpu_engine_env(environ: Mapping[str, str] | None = None, cpus: Sequence[int]
         if lib:
             env["LD_PRELOAD"] = f"{lib}:{preload}" if preload else lib
         elif look_for_tcmalloc:
-            log.warning("no tcmalloc on this machine: the CPU engine runs with glibc malloc, about 1.2x slower on "
+            log.warning("no tcmalloc on this machine: the CPU engine runs with glibc malloc, up to 1.5x slower on "
                         "cloze scoring; install it with `apt-get install libtcmalloc-minimal4` (docs/agents.md)")
     return env
 
@@ -267,17 +278,41 @@ def engine_kwargs(config: VLLMConfig, on_cpu: bool) -> dict[str, Any]:
     )
 
 
+def prefix_length(n_prompt: int, block: int | None) -> int:
+    """Tokens of a cloze prefix request for a prompt of `n_prompt` tokens and KV blocks of `block` tokens: its whole
+    blocks before the last token, plus one (see the module docstring); 0 (no prefix request) when that is no block or
+    the block size is unknown."""
+    if not block or n_prompt < 2:
+        return 0
+    whole = (n_prompt - 1) // block * block
+    return whole + 1 if whole else 0
+
+
+def prefix_params(sampling_params: Any) -> Any:
+    """A cloze prefix request: fills the prefix cache; one throw-away greedy token, no log-probabilities."""
+    return sampling_params(max_tokens=1, temperature=0.0, detokenize=False)
+
+
+def is_prefix_job(params: Any) -> bool:
+    """Whether a cloze job's SamplingParams are a prefix request's (its output carries no option scores)."""
+    return getattr(params, "prompt_logprobs", None) is None
+
+
 def engine_jobs(builder: prompts.PromptBuilder, config: VLLMConfig, sampling_params: Any,
                 requests: Sequence[AgentRequest], call_index: int,
-                cloze_method: str = CLOZE_PROMPT) -> list[tuple[int, list[int], Any]]:
+                cloze_method: str = CLOZE_PREFIX, block: int | None = None) -> list[tuple[int, list[int], Any]]:
     """(request index, prompt token ids, SamplingParams) per engine prompt of one `answer_batch` call.
 
-    `sampling_params` is `vllm.SamplingParams` (passed in so this module imports vLLM lazily). The benchmark's bare
-    engine loop builds its prompts here too, so both sides send identical requests.
+    `sampling_params` is `vllm.SamplingParams` (passed in so this module imports vLLM lazily); `block` is the engine's
+    KV block size (cloze prefix requests; None sends none). The benchmark's bare engine loop builds its prompts here
+    too, so both sides send identical requests.
     """
     jobs: list[tuple[int, list[int], Any]] = []
     for i, (r, ids) in enumerate(zip(requests, builder.answer_ids_batch(requests))):
-        if r.options and builder.cloze and cloze_method == CLOZE_PROMPT:
+        if r.options and builder.cloze and cloze_method in (CLOZE_PREFIX, CLOZE_PROMPT):
+            n = prefix_length(len(ids), block) if cloze_method == CLOZE_PREFIX else 0
+            if n:  # computes and caches the prompt's whole blocks without the vocabulary head on each token
+                jobs.append((i, ids[:n], prefix_params(sampling_params)))
             # One request per option (see the module docstring); identical continuations are asked once.
             for c in dict.fromkeys(tuple(c) for c in builder.continuation_ids(r.options)):
                 jobs.append((i, ids + list(c), cloze_params(sampling_params, read_cache=True)))
@@ -377,11 +412,20 @@ class VLLMAgent:
         self._calls = itertools.count(1)  # varies the sampling seed between calls while staying reproducible
         # how cloze options are scored (CLOZE_METHODS); not a config field: both compute the same log-probabilities,
         # only the benchmark switches it to time the method before
-        self.cloze_method = CLOZE_PROMPT
+        self.cloze_method = CLOZE_PREFIX
+        self.block_size = self._engine_block_size() if config.enable_prefix_caching else None
         self.cloze_retries = 0  # option requests re-asked with cache reads off (see the module docstring)
         self._engine_lock = threading.Lock()
         self._prompt_lock = threading.Lock()  # a fast tokenizer is not safe to call from two threads at once
         log.info("vllm agent started %s in %.1fs (%s malloc)", config.model, self.start_s, self.engine_malloc())
+
+    def _engine_block_size(self) -> int | None:
+        """The KV block size the engine really runs (the platform may change the one asked for); None when this vLLM
+        does not say, which turns cloze prefix requests off."""
+        try:
+            return int(self._llm.llm_engine.vllm_config.cache_config.block_size)
+        except (AttributeError, TypeError, ValueError):
+            return None
 
     def engine_malloc(self) -> str:
         """The allocator the engine's processes run with, read from what they mapped (/proc/PID/maps, Linux):
@@ -424,8 +468,8 @@ class VLLMAgent:
         started = time.perf_counter()
         with self._prompt_lock:
             jobs = engine_jobs(self.builder, self.config, self._vllm.SamplingParams, requests, call,
-                               self.cloze_method)
-            by_prompt = self.builder.cloze and self.cloze_method == CLOZE_PROMPT
+                               self.cloze_method, self.block_size)
+            by_prompt = self.builder.cloze and self.cloze_method in (CLOZE_PREFIX, CLOZE_PROMPT)
             conts = {i: self.builder.continuation_ids(r.options) for i, r in enumerate(requests)
                      if r.options and by_prompt}
         outputs = self._generate([ids for _, ids, _ in jobs], [p for _, _, p in jobs])
@@ -439,10 +483,12 @@ class VLLMAgent:
         steps: dict[int, dict[tuple[int, ...], Any]] = {}  # cloze steps: request -> {option prefix: logprobs}
         scored: dict[int, dict[tuple[int, ...], list[float] | None]] = {}  # cloze prompt: request -> {option: lps}
         retry: list[tuple[int, tuple[int, ...], list[int]]] = []
-        for (i, _, _), out in zip(jobs, outputs):
+        for (i, _, params), out in zip(jobs, outputs):
             r = requests[i]
             prompt_tokens[i] += len(out.prompt_token_ids)
             cached_tokens[i] += int(out.num_cached_tokens or 0)
+            if r.options and by_prompt and is_prefix_job(params):
+                continue  # only filled the cache
             if r.options and by_prompt:
                 mine = scored.setdefault(i, {})
                 c = list(dict.fromkeys(tuple(c) for c in conts[i]))[len(mine)]  # jobs are in this order

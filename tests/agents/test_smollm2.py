@@ -81,6 +81,47 @@ def test_cloze_option_logprobs_come_only_from_computed_positions() -> None:
                                  3) is None  # the actual token missing from its row
 
 
+def test_a_cloze_prefix_request_stops_one_token_after_the_prompts_whole_blocks() -> None:
+    """The prefix request caches the prompt's whole KV blocks; its one extra token keeps a cached prefix from
+    recomputing its last block, and a prompt without a whole block before its last token gets none."""
+    from pipeline.agents.vllm_agent import prefix_length
+
+    assert [prefix_length(n, 32) for n in (1, 2, 32, 33, 34, 64, 65, 100)] == [0, 0, 0, 33, 33, 33, 65, 97]
+    assert prefix_length(100, None) == 0  # the engine did not say its block size: no prefix requests
+    for n in range(2, 300):
+        k = prefix_length(n, 16)
+        assert k == 0 or (k <= n and (k - 1) % 16 == 0 and n - k < 16)
+
+
+def test_cloze_jobs_send_one_prefix_request_per_coalition_before_its_options() -> None:
+    """engine_jobs under the default cloze method: per coalition a prefix request without log-probabilities, then one
+    request per option with them; the earlier method (`prompt`) sends the option requests alone."""
+    from types import SimpleNamespace as NS
+
+    from pipeline.agents.base import AgentRequest
+    from pipeline.agents.vllm_agent import CLOZE_PROMPT, VLLMConfig, engine_jobs, is_prefix_job
+
+    class Builder:  # the prompt builder's interface, with fixed token ids
+        cloze = True
+
+        def answer_ids_batch(self, requests):
+            return [list(range(70 + i)) for i in range(len(requests))]
+
+        def continuation_ids(self, options):
+            return [[900 + j, 901] for j, _ in enumerate(options)]
+
+    requests = [AgentRequest(case_key="c", question="q", options=("a", "b", "c"), memories=("m",)) for _ in range(2)]
+    config = VLLMConfig(model="m")
+    jobs = engine_jobs(Builder(), config, NS, requests, 1, block=32)
+    assert [(i, len(ids), is_prefix_job(p)) for i, ids, p in jobs] == [
+        (0, 65, True), (0, 72, False), (0, 72, False), (0, 72, False),
+        (1, 65, True), (1, 73, False), (1, 73, False), (1, 73, False)]
+    assert all(p.prompt_logprobs == 0 and not p.skip_reading_prefix_cache for _, _, p in jobs if not is_prefix_job(p))
+    assert jobs[1][1][70:] == [900, 901]  # prompt + option
+    before = engine_jobs(Builder(), config, NS, requests, 1, CLOZE_PROMPT, block=32)
+    assert [len(ids) for _, ids, _ in before] == [72, 72, 72, 73, 73, 73]
+
+
 def test_flops_per_token_counts_smollm2_matmul_parameters(tmp_path) -> None:
     """2 x the matmul parameters from the config: SmolLM2-135M's 134.5M (norms aside) give ~0.269 GFLOP per token."""
     from benchmarks.floor import floor_seconds, flops_per_token
@@ -277,9 +318,21 @@ def test_vllm_and_transformers_choose_the_same_option_under_cloze(smollm2_cache,
     try:
         requests = _agreement_requests()
         got = ray.get(actor.answer_batch.remote(requests))
+        # the default's prefix requests (see pipeline.agents.vllm_agent) change no probability: the method before
+        # (option requests alone) from an empty cache gives the same ones
+        method = ray.get(actor.__ray_call__.remote(lambda agent: (agent.cloze_method, agent.block_size)))
+        assert method == ("prefix", 32)
+        ray.get(actor.__ray_call__.remote(lambda agent: (agent.reset_prefix_cache(),
+                                                          setattr(agent, "cloze_method", "prompt"))))
+        alone = ray.get(actor.answer_batch.remote(requests))
     finally:
         ray.get(actor.close.remote(), timeout=60)
         ray.kill(actor)
+    assert [a.answer for a in alone] == [g.answer for g in got]
+    assert max(abs(x - y) for a, g in zip(alone, got) for x, y in zip(a.option_probs, g.option_probs)) < 1e-4
+    # the prefix requests compute no more: one token per coalition at most (a float32 engine, same batches)
+    uncached = [sum(r.prompt_tokens - r.cached_tokens for r in rs) for rs in (got, alone)]
+    assert uncached[0] <= uncached[1] + len(requests), uncached
     want = smollm2_hf.answer_batch(requests)
     same = sum(g.answer == w.answer for g, w in zip(got, want))
     assert same >= 0.95 * len(requests), f"{same}/{len(requests)} agree"
