@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import ray
@@ -78,6 +79,13 @@ def main(out: str, report: str) -> None:
             fingerprint = agent_fingerprint(pool.call_all("fingerprint", timeout_s=120))
             nodes_at_start = pool.call_all("node_id", timeout_s=60)
             result = run_audit(pools, queries, CONFIG, Path(out), pool, fingerprint, files, progress=False)
+            # The run can end before Ray has declared the removed node dead: its killed raylet's workers die a moment
+            # later, and until then actor 1's old process may still answer (seen once in CI). Ask where the actors
+            # live only once the node is dead, when Ray has moved actor 1.
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and any(n["NodeID"] == worker_node.node_id and n["Alive"]
+                                                      for n in ray.nodes()):
+                time.sleep(0.2)
             nodes_at_end = pool.call_all("node_id", timeout_s=60)
         finally:
             pool.close()
