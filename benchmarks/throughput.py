@@ -249,6 +249,7 @@ def run_bare(engine_config: Any, warmup: Sequence[WorkItem], batches: Sequence[S
     from pipeline.agents.models import model_identity
     from pipeline.agents.vllm_agent import (
         cpu_engine_env,
+        engine_block_size,
         engine_jobs,
         engine_kwargs,
         on_cpu_platform,
@@ -265,8 +266,7 @@ def run_bare(engine_config: Any, warmup: Sequence[WorkItem], batches: Sequence[S
         # the agent's own scoring: cloze sends several step requests per coalition (see pipeline.agents.vllm_agent)
         cloze = resolved_scoring(engine_config.scoring, model_identity(kwargs["model"])) == "cloze"
         builder = prompts.PromptBuilder(llm.get_tokenizer(), engine_config.max_options, cloze=cloze)
-        # the agent's cloze prefix requests need the engine's block size (VLLMAgent._engine_block_size)
-        block = llm.llm_engine.vllm_config.cache_config.block_size if engine_config.enable_prefix_caching else None
+        block = engine_block_size(llm, engine_config)  # for the agent's cloze prefix requests
         cases = len({it.case_index for b in batches for it in b})
 
         def prepare(batch: Sequence[WorkItem], shuffled: bool) -> tuple[list[Any], list[Any]]:

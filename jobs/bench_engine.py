@@ -7,9 +7,8 @@
 
 --floor: one K=5 LoCoMo case under cloze (the step method first, then option requests alone, then the audit's default
 with a prefix request per coalition) and letter scoring, on an engine with glibc malloc and then on one with tcmalloc
-preloaded (--malloc): prompt and uncached tokens,
-the FLOPs they imply, the GEMM rate measured in the same run with torch, the time and its ratio to that floor (see
-benchmarks/floor.py).
+preloaded (--malloc): prompt and uncached tokens, the FLOPs they imply, the GEMM rate measured in the same run
+(torch's matmul or vLLM's oneDNN GEMM, the faster), the time and its ratio to that floor (see benchmarks/floor.py).
 
 --builder: the FI-LoCoMo cases of one conversation (its first --max-queries eligible queries) built twice on one
 engine, "before" with per-candidate causal checks and "after" with the wave-batched ones, each from empty caches:

@@ -74,6 +74,7 @@ CLOZE_PREFIX = "prefix"  # a block-aligned prefix request without log-probabilit
 CLOZE_PROMPT = "prompt"  # one request per option, prompt log-probabilities with prefix-cache reads (the method before)
 CLOZE_STEPS = "steps"  # one step request per option-token prefix (the first method; kept for jobs/bench_engine.py)
 CLOZE_METHODS = (CLOZE_PREFIX, CLOZE_PROMPT, CLOZE_STEPS)
+CLOZE_BY_OPTION = (CLOZE_PREFIX, CLOZE_PROMPT)  # the methods that send one request per option
 # Where `find_tcmalloc` looks, and for which names (gperftools' minimal build first: it is what vLLM's CPU docs use).
 TCMALLOC_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
 TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
@@ -293,6 +294,17 @@ def prefix_params(sampling_params: Any) -> Any:
     return sampling_params(max_tokens=1, temperature=0.0, detokenize=False)
 
 
+def engine_block_size(llm: Any, config: VLLMConfig) -> int | None:
+    """The KV block size a started `vllm.LLM` really runs (the platform may change the one asked for), for cloze
+    prefix requests; None when prefix caching is off or this vLLM does not say, which sends none."""
+    if not config.enable_prefix_caching:
+        return None
+    try:
+        return int(llm.llm_engine.vllm_config.cache_config.block_size)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
 def is_prefix_job(params: Any) -> bool:
     """Whether a cloze job's SamplingParams are a prefix request's (its output carries no option scores)."""
     return getattr(params, "prompt_logprobs", None) is None
@@ -309,7 +321,7 @@ def engine_jobs(builder: prompts.PromptBuilder, config: VLLMConfig, sampling_par
     """
     jobs: list[tuple[int, list[int], Any]] = []
     for i, (r, ids) in enumerate(zip(requests, builder.answer_ids_batch(requests))):
-        if r.options and builder.cloze and cloze_method in (CLOZE_PREFIX, CLOZE_PROMPT):
+        if r.options and builder.cloze and cloze_method in CLOZE_BY_OPTION:
             n = prefix_length(len(ids), block) if cloze_method == CLOZE_PREFIX else 0
             if n:  # computes and caches the prompt's whole blocks without the vocabulary head on each token
                 jobs.append((i, ids[:n], prefix_params(sampling_params)))
@@ -410,22 +422,14 @@ class VLLMAgent:
         self.builder = prompts.PromptBuilder(copy.deepcopy(self._llm.get_tokenizer()), config.max_options,
                                              cloze=self.scoring == "cloze")
         self._calls = itertools.count(1)  # varies the sampling seed between calls while staying reproducible
-        # how cloze options are scored (CLOZE_METHODS); not a config field: both compute the same log-probabilities,
-        # only the benchmark switches it to time the method before
+        # how cloze options are scored (CLOZE_METHODS); not a config field: all compute the same log-probabilities,
+        # only the benchmark switches it to time the methods before
         self.cloze_method = CLOZE_PREFIX
-        self.block_size = self._engine_block_size() if config.enable_prefix_caching else None
+        self.block_size = engine_block_size(self._llm, config)
         self.cloze_retries = 0  # option requests re-asked with cache reads off (see the module docstring)
         self._engine_lock = threading.Lock()
         self._prompt_lock = threading.Lock()  # a fast tokenizer is not safe to call from two threads at once
         log.info("vllm agent started %s in %.1fs (%s malloc)", config.model, self.start_s, self.engine_malloc())
-
-    def _engine_block_size(self) -> int | None:
-        """The KV block size the engine really runs (the platform may change the one asked for); None when this vLLM
-        does not say, which turns cloze prefix requests off."""
-        try:
-            return int(self._llm.llm_engine.vllm_config.cache_config.block_size)
-        except (AttributeError, TypeError, ValueError):
-            return None
 
     def engine_malloc(self) -> str:
         """The allocator the engine's processes run with, read from what they mapped (/proc/PID/maps, Linux):
@@ -469,7 +473,7 @@ class VLLMAgent:
         with self._prompt_lock:
             jobs = engine_jobs(self.builder, self.config, self._vllm.SamplingParams, requests, call,
                                self.cloze_method, self.block_size)
-            by_prompt = self.builder.cloze and self.cloze_method in (CLOZE_PREFIX, CLOZE_PROMPT)
+            by_prompt = self.builder.cloze and self.cloze_method in CLOZE_BY_OPTION
             conts = {i: self.builder.continuation_ids(r.options) for i, r in enumerate(requests)
                      if r.options and by_prompt}
         outputs = self._generate([ids for _, ids, _ in jobs], [p for _, _, p in jobs])
