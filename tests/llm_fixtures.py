@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -64,10 +65,23 @@ def _vllm_env(private_tmp: Path) -> dict[str, str]:
     return env
 
 
+def start_vllm_server(model: str, log: Path) -> tuple[subprocess.Popen, str]:
+    """A REAL `vllm serve` of `model` on loopback (benchmarks/served.py), eager (a faster start), with the engine
+    settings of VLLM_TEST_OPTIONS; the process and its base URL (.../v1)."""
+    from benchmarks.served import start_server
+
+    return start_server(model, log, {k: VLLM_TEST_OPTIONS[k] for k in ("dtype", "max_model_len", "block_size", "seed")},
+                        eager=True)
+
+
+def tiny_model_path() -> str:
+    return str(build_tiny_llama(_CACHE_ROOT / "tiny_llama-seed0", seed=0))
+
+
 @pytest.fixture(scope="module")
 def tiny_model() -> str:
     pytest.importorskip("transformers")
-    return str(build_tiny_llama(_CACHE_ROOT / "tiny_llama-seed0", seed=0))
+    return tiny_model_path()
 
 
 @pytest.fixture(scope="module")

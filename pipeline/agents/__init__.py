@@ -12,13 +12,14 @@ from pipeline.agents.base import Agent, AgentRequest, AgentResponse, AgentSpec
 from pipeline.core.errors import ConfigError
 from pipeline.core.validation import from_mapping
 
-AGENTS = ("reader", "vllm", "transformers")
+AGENTS = ("reader", "vllm", "transformers", "openai")
 
 
 # Each agent's settings class, imported only when asked for (the modules around the engines are heavy).
 AGENT_CONFIGS = {"reader": ("pipeline.agents.reader", "ReaderConfig"),
                  "vllm": ("pipeline.agents.vllm_agent", "VLLMConfig"),
-                 "transformers": ("pipeline.agents.hf_agent", "TransformersConfig")}
+                 "transformers": ("pipeline.agents.hf_agent", "TransformersConfig"),
+                 "openai": ("pipeline.agents.openai_agent", "OpenAIConfig")}
 
 
 def agent_config(spec: AgentSpec, where: str):
@@ -36,6 +37,10 @@ def checked_spec(name: str, options: Mapping[str, Any], source: str = "--agent-o
     model = getattr(agent_config(spec, f"agent {name!r} ({source})"), "model", None)
     if isinstance(model, str) and model.startswith(("/", "./", "../", "~")) and not Path(model).expanduser().is_dir():
         raise ConfigError(f"agent {name!r}: model {model!r} is not a folder")
+    if name == "openai":  # a wrong base URL or model is one line here, before Ray starts or anything is written
+        from pipeline.agents.openai_agent import check_endpoint
+
+        check_endpoint(spec.options)
     return spec
 
 
@@ -49,6 +54,10 @@ def build_agent(spec: AgentSpec) -> Agent:
         from pipeline.agents.vllm_agent import VLLMAgent
 
         return VLLMAgent(config)
+    if spec.name == "openai":
+        from pipeline.agents.openai_agent import OpenAIAgent
+
+        return OpenAIAgent(config)
     from pipeline.agents.hf_agent import TransformersAgent
 
     return TransformersAgent(config)

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 # their actor runs up to `max_inflight` tasks at once, so it builds the next batch's prompts while the engine runs the
 # current one (measured with jobs/bench_agents.py: tokenisation was ~20% of the pipeline's time on the tiny model).
 # The other agents compute in the calling thread, where a second thread would only contend.
-CONCURRENT_AGENTS = frozenset({"vllm"})
+CONCURRENT_AGENTS = frozenset({"vllm", "openai"})  # openai: HTTP waits release the GIL
 
 
 def pool_size(agent: str, actors: int, cpus_per_actor: float, gpus_per_actor: float, reserve_cpus: float = 0.0) -> int:

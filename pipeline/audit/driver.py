@@ -27,7 +27,7 @@ from pipeline.audit.cases import Case, case_seed
 from pipeline.audit.reduce import ClearanceRow, ClearanceSummary
 from pipeline.audit.settings import AuditConfig
 from pipeline.audit.worker import CasesDone, CaseSettings, CaseTask
-from pipeline.core.provenance import sha256_file, versions
+from pipeline.core.provenance import input_record, versions
 from pipeline.core.validation import fingerprint
 from pipeline.exec.pools import WorkerPool
 from pipeline.exec.prefetch import Prefetch
@@ -183,6 +183,21 @@ class _Evaluation:
     def run(self) -> None:
         """Admit cases as retrieval freezes them (pool by pool), keep the window full, evaluate until every case is
         finished or failed. The driver blocks on retrieval only when no task is in flight."""
+        try:
+            self._run()
+        except BaseException:
+            # The run stops (an agent's server gone, its engine dead, Ctrl-C, a bug): the coalitions already evaluated
+            # are written, so a rerun resumes from them. Each row is one finished evaluation, valid on its own.
+            try:
+                self.utilities.flush()
+            except Exception:  # noqa: BLE001 - a full disk, say: the original error is the one to report
+                log.info("could not write the evaluated coalitions on the way out", exc_info=True)
+            raise
+        self.utilities.close()
+        self.reductions.close()
+        self.bar.close()
+
+    def _run(self) -> None:
         t0 = time.perf_counter()
         while True:
             self._admit(block=not self.sched.busy)
@@ -198,9 +213,6 @@ class _Evaluation:
             self._receive(self.sched.wait())
         if self.inflight:  # a driver bug: a case was sent and never came back
             raise RuntimeError(f"{len(self.inflight)} cases neither finished nor failed")
-        self.utilities.close()
-        self.reductions.close()
-        self.bar.close()
 
     def _next_pair(self, block: bool) -> tuple[Query, FrozenContext] | None:
         """The next frozen (query, context) from retrieval, or None (none ready without blocking, or none left). A new
@@ -276,11 +288,13 @@ def _plan_size(c: AuditConfig) -> int:
 
 
 def _open_run(out: Path, config: AuditConfig, agent_fp: str,
-              input_files: list[str]) -> tuple[str, str, list[dict], str | None]:
-    """(run_id, attempt, inputs with their hashes, the run whose reductions `out` holds). Marks `out` as running.
+              input_files: list[str]) -> tuple[str, str, list[dict], list[str], str | None]:
+    """(run_id, attempt, input files with their hashes, input folders, the run whose reductions `out` holds). Marks
+    `out` as running.
     `attempt` names this attempt's reduction parts: a rerun of the same run_id after a crash is a new attempt, and
     its end drops the crashed attempt's parts with every other run's."""
-    inputs = [{"path": str(p), "sha256": sha256_file(p)} for p in input_files]
+    inputs = [input_record(p) for p in input_files if not Path(p).is_dir()]
+    folders = sorted({str(Path(p).resolve()) for p in input_files if Path(p).is_dir()})
     run_id = fingerprint({"config": asdict(config), "inputs": [i["sha256"] for i in inputs], "agent": agent_fp})
     out.mkdir(parents=True, exist_ok=True)
     writer.recover_swaps(out, DATASET_NAMES)
@@ -294,8 +308,8 @@ def _open_run(out: Path, config: AuditConfig, agent_fp: str,
     # Until this run finishes, the manifest says so: a reader never mistakes a crashed run's folder for a complete one.
     attempt = uuid.uuid4().hex[:12]
     Manifest(run_id=run_id, status="running", attempt=attempt, datasets=sorted(DATASETS), config=asdict(config),
-             agent=agent_fp, inputs=inputs).write(out)
-    return run_id, attempt, inputs, previous_run
+             agent=agent_fp, inputs=inputs, input_folders=folders).write(out)
+    return run_id, attempt, inputs, folders, previous_run
 
 
 def run_audit(
@@ -330,7 +344,7 @@ def run_audit(
                              reuse, own, flush_rows, window, encoder)
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
-    run_id, attempt, inputs, previous_run = _open_run(out, config, agent_fingerprint, input_files or [])
+    run_id, attempt, inputs, folders, previous_run = _open_run(out, config, agent_fingerprint, input_files or [])
 
     # Retrieval is a stage running ahead in a background thread (`Prefetch`): pool by pool it embeds (cached in
     # $MECLEAR_CACHE, by `encoder` when given) and freezes contexts, and evaluation admits the first pool's cases as
@@ -393,13 +407,14 @@ def run_audit(
         peak_cases_in_flight=ev.peak_states,
         window=ev.window,
     )
-    _manifest(result, config, agent_fingerprint, retriever.mode, inputs, attempt, store,
-              [str(r) for r in (reuse or [])], previous_run if previous_run != run_id else None).write(out)
+    reused = [str(Path(r).resolve()) for r in (reuse or [])]
+    _manifest(result, config, agent_fingerprint, retriever.mode, inputs, folders, attempt, store, reused,
+              previous_run if previous_run != run_id else None).write(out)
     return result
 
 
 def _manifest(result: AuditResult, config: AuditConfig, agent_fp: str, retrieval: str, inputs: list[dict],
-              attempt: str, store: dict, reuse: list[str], replaced_run: str | None) -> Manifest:
+              folders: list[str], attempt: str, store: dict, reuse: list[str], replaced_run: str | None) -> Manifest:
     return Manifest(
         run_id=result.run_id,
         status="complete" if not result.failed else "complete_with_errors",
@@ -409,6 +424,7 @@ def _manifest(result: AuditResult, config: AuditConfig, agent_fp: str, retrieval
         agent=agent_fp,
         retrieval=retrieval,
         inputs=inputs,
+        input_folders=folders,
         versions=versions(),
         counts={
             "cases": result.cases,

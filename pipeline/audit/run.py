@@ -25,12 +25,14 @@ from pipeline.audit.worker import AgentWorker, agent_fingerprint
 from pipeline.core.errors import ConfigError, OutputError
 from pipeline.core.extras import require_audit
 from pipeline.core.validation import check, from_mapping
+from pipeline.core.yamlconf import MAX_BYTES as MAX_YAML_BYTES
+from pipeline.core.yamlconf import load_yaml
 from pipeline.exec.pools import LocalPool, WorkerPool
 from pipeline.io.loaders import input_files, load_pools, load_queries
 from pipeline.io.locomo import load_locomo
 from pipeline.io.records import MAX_MEMORY_CHARS, MAX_OPTIONS, Pool, Query
 from pipeline.store.lock import OutLock
-from pipeline.store.outdir import check_out
+from pipeline.store.outdir import check_out, check_real_folder
 
 log = logging.getLogger(__name__)
 
@@ -147,19 +149,30 @@ def audit(inputs: InputSpec, config: AuditConfig, out: str | Path, progress: boo
     require_audit(config.agent, spec.options.get("model"), config.dense,
                   agents_here=config.executor == "local" or not os.environ.get("RAY_ADDRESS"))
     out = Path(out)
+    check_real_folder("--out", out)
+    seen: dict[Path, str] = {out.resolve(): f"--out {out}"}
     for r in reuse:
+        if Path(r).resolve() in seen:  # resolved: `R`, `./R/` and a link to R are one folder
+            other = seen[Path(r).resolve()]
+            hint = ("a rerun into --out already resumes from it, drop --reuse" if other.startswith("--out")
+                    else "give each --reuse folder once")
+            raise OutputError(f"--reuse {r}: is the same folder as {other}; {hint}")
+        seen[Path(r).resolve()] = f"--reuse {r}"
         if not (Path(r) / "utilities").is_dir():
             raise OutputError(f"--reuse {r}: has no utilities/ folder; give an earlier run's --out")
-    reuse_dirs = [r for r in reuse if Path(r).resolve() != out.resolve()]
+    reuse_dirs = list(reuse)
     # every file and folder the run reads: --out may neither hold one nor sit inside one
+    # the folders given as inputs are recorded too: a later `curate --out` must not drop a file into a memory bank's
+    # folder, where the next audit would read it as memories
+    folders = [d for d in (*inputs.memories, *inputs.queries, *inputs.mem0) if Path(d).is_dir()]
     check_out(out, [*files, *inputs.memories, *inputs.queries, *inputs.mem0, *filter(None, [inputs.locomo]),
                     *reuse_dirs])
     with OutLock(out) as lock:
         t = time.perf_counter()
         with agents_running(config, spec) as (agents, fingerprint):
             startup = time.perf_counter() - t
-            result = run_audit(pools, queries, config, out, agents, fingerprint, files, progress, reuse_dirs, lock,
-                               encoder=_embed_actors(config))
+            result = run_audit(pools, queries, config, out, agents, fingerprint, files + folders, progress,
+                               reuse_dirs, lock, encoder=_embed_actors(config))
     result.timings["agents_startup_s"] = startup
     return result
 
@@ -176,23 +189,18 @@ class JobConfig:
 def load_job_config(path: str | Path) -> JobConfig:
     import datetime
 
-    import yaml
-
     p = Path(path)
     if p.exists() and not p.is_file() and not p.is_dir():  # reading a FIFO would block for good
         raise ConfigError(f"job config {path}: is not a regular file (a FIFO, socket or device); give the YAML file")
     try:
-        raw = yaml.safe_load(p.read_bytes().decode("utf-8"))
-    except RecursionError:
-        raise ConfigError(f"job config {path}: is nested too deeply to read") from None
+        if p.is_file() and p.stat().st_size > MAX_YAML_BYTES:  # refused before it is read at all
+            raise ConfigError(f"job config {path}: is {p.stat().st_size:,} bytes; the limit is {MAX_YAML_BYTES:,}")
+        data = p.read_bytes()
     except FileNotFoundError:
         raise ConfigError(f"job config {path}: does not exist") from None
     except IsADirectoryError:
         raise ConfigError(f"job config {path}: is a folder; give the YAML file") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"job config {path}: is not UTF-8 text (byte {exc.start})") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"job config {path}: not valid YAML ({' '.join(str(exc).split())})") from None
+    raw = load_yaml(data, f"job config {path}")
     if not isinstance(raw, dict):
         raise ConfigError(f"job config {path}: must be a mapping with keys inputs, audit, out")
     unknown = sorted(set(raw) - {"inputs", "audit", "out"})

@@ -23,6 +23,7 @@ from pipeline.game.plan import (
     ADAPTIVE_ROUND,
     DEFAULT_PERMUTATIONS,
     ESTIMATORS,
+    min_budget,
 )
 from pipeline.retrieval.frozen import DEFAULT_TOP_K, check_dense, check_top_k
 
@@ -96,7 +97,7 @@ def check_budget_setting(value: object, where: str, top_k: int, field: str = "bu
     """An evaluation budget per query: an integer from top_k+2 (the empty set, the full context and the full context
     minus each memory, which every estimator asks first) to MAX_BUDGET; 0 means no budget where `none` allows it."""
     check_integer(value, where, field)
-    low = top_k + 2
+    low = min_budget(top_k) if isinstance(top_k, int) and top_k >= 1 else top_k + 2
     check((none and value == 0) or low <= value <= MAX_BUDGET, where,  # type: ignore[operator]
           f"{field}={value!r}; allowed {low}..{MAX_BUDGET:,} agent evaluations per query (top_k+2 = {low}: the empty "
           "set, the full context and the full context minus each memory)" + (", or 0 for none" if none else ""))
@@ -206,8 +207,10 @@ class AuditConfig(RunSettings):
         check(isinstance(self.adaptive_round, int) and self.adaptive_round >= 2
               and (self.estimator != "adaptive" or self.adaptive_round % 2 == 0), w,
               f"adaptive_round={self.adaptive_round!r}; must be an even integer >= 2 (adaptive draws antithetic pairs)")
-        check_number(self.adaptive_z, w, "adaptive_z")  # finite: z = inf would never stop a case before the cap
-        check(self.adaptive_z > 0, w, f"adaptive_z={self.adaptive_z!r}; must be > 0")
+        # one rule, one message: finite (z = inf would never stop a case before the cap) and > 0
+        ok = isinstance(self.adaptive_z, (int, float)) and not isinstance(self.adaptive_z, bool)
+        check(ok and math.isfinite(self.adaptive_z), w, f"adaptive_z={self.adaptive_z!r}; must be a finite number")
+        check(self.adaptive_z > 0, w, f"adaptive_z={self.adaptive_z!r}; must be a finite number > 0")
         check(self.cpus_per_actor > 0, w, f"cpus_per_actor={self.cpus_per_actor!r}; must be > 0")
         check(self.batch_size >= 1, w, f"batch_size={self.batch_size!r}; must be >= 1")
         check(self.embed_actors >= 0, w, f"embed_actors={self.embed_actors!r}; must be >= 0")

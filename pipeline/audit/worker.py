@@ -27,6 +27,7 @@ from pipeline.audit.reduce import CaseState, advance, finalize
 from pipeline.core.errors import (
     AgentStartError,
     ConfigError,
+    EndpointGoneError,
     EngineDeadError,
     MeClearError,
 )
@@ -79,7 +80,7 @@ def engine_died(exc: BaseException) -> bool:
 
 
 def _raise_if_engine_died(exc: Exception) -> None:
-    if isinstance(exc, EngineDeadError):
+    if isinstance(exc, (EngineDeadError, EndpointGoneError)):  # neither is the case's fault
         raise exc
     if engine_died(exc):
         raise EngineDeadError(f"the agent's engine died: {_one_line(exc)}") from exc
@@ -428,6 +429,9 @@ class AgentWorker:
         return os.getpid()
 
     def run_cases(self, tasks: list["CaseTask"], settings: "CaseSettings") -> "CasesDone":
+        if self.agent is None:  # a restarted actor whose agent could not be rebuilt (its server gone, say)
+            message, code = self.error
+            raise (EndpointGoneError if code == EndpointGoneError.exit_code else AgentStartError)(message)
         try:
             return run_cases(self.agent, tasks, settings)
         except EngineDeadError as exc:

@@ -80,6 +80,11 @@ class CachedOracle:
     def evaluations(self) -> int:
         return len(self._utility)
 
+    def evaluated(self) -> tuple[np.ndarray, np.ndarray]:
+        """(masks, utilities) of every coalition evaluated so far, in mask order."""
+        masks = np.array(sorted(self._utility), dtype=np.int64)
+        return masks, np.array([self._utility[int(m)] for m in masks], dtype=np.float64)
+
     def seen(self, masks: np.ndarray) -> np.ndarray:
         """Per mask: already evaluated (free to ask again)."""
         return np.array([int(m) in self._utility for m in np.asarray(masks).ravel()], dtype=bool)

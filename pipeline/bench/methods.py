@@ -148,7 +148,7 @@ class Method:
             est, b = hit.group(1), int(hit.group(2))
             if est in BASELINE_ESTIMATORS:
                 return cls(est, evals=b)
-            if est in meclear_estimators():
+            if est in meclear_estimators() or est == "auto":
                 return cls("meclear", estimator=est, evals=b)
         raise ConfigError(f"methods: {name!r} is not a method; {_ALLOWED}")
 
@@ -289,6 +289,42 @@ def budgeted(method: Method, k: int, ev: CachedOracle, seed: int, tau: float) ->
     return _ranked(k, values, ev, tau, name, seed, budget=method.evals)
 
 
+def shipped(method: Method, k: int, ev: CachedOracle, seed: int, tau: float, utility: str) -> Outcome:
+    """What `meclear audit --budget B` ships (`auto_b<B>`): the `auto` estimator for this K, budget and utility mode
+    on the attribution part of B, then the verified clearance over several rankings (Shapley, the free sparse
+    surrogate, LOO, single removals: `pipeline.game.clearance.candidate_family`) on what is left. Its rankings are those
+    of the ranking whose candidate was chosen (Shapley's when none was)."""
+    from pipeline.game.clearance import affordable as fits
+    from pipeline.game.clearance import candidate_family, kept_coalitions, select_best, verification_rankings
+    from pipeline.game.estimators import split_budget
+    from pipeline.game.linear import surrogate_scores
+    from pipeline.game.plan import auto_estimator
+
+    budget = int(method.evals)
+    name = auto_estimator(k, budget, utility)
+    phi = _estimate(name, k, ev, split_budget(budget, k), seed, tau)
+    anchors = loo_coalitions(k)
+    loo_scores = None
+    if ev.seen(anchors).all():
+        util, _ = ev(anchors)
+        loo_scores = util[0] - util[1:]
+    masks, vals = ev.evaluated()
+    rankings = verification_rankings(k, phi, tau, loo_scores, masks, vals)
+    family = fits(k, candidate_family(k, rankings, singles=loo_scores is not None), ev.seen,
+                  budget - ev.evaluations)
+    kept = kept_coalitions(k, family)
+    util, ok = ev(kept)
+    values, correct = SparseTable(k), SparseTable(k, fill=False, dtype=bool)
+    values[kept], correct[kept] = util, ok
+    c = select_best(k, family, values, correct)
+    scores = surrogate_scores(masks, vals, k) if c.source == "surrogate" else (
+        loo_scores if c.source == "loo" else phi)
+    primary = dict(rankings)["shapley"]
+    ranked = dict(rankings).get(c.source, primary)
+    return Outcome(tuple(int(i) for i in ranked), c.removed, c.recovered, ev.evaluations, c.baseline_utility,
+                   c.cleared_utility, f"auto:{name}:{c.source}", _full(scores, seed))
+
+
 def _estimate(name: str, k: int, ev: CachedOracle, budget: int, seed: int, tau: float) -> np.ndarray:
     """The contract estimator `name`'s values over `ev` within `budget`, seeded by the case: the audit's options
     (adaptive stops on separation from -tau; a surrogate's trees take the case seed, its masks come from the rng)."""
@@ -309,6 +345,8 @@ def run_method(method: Method, bc: BenchCase, agent: Agent, oracle: CaseOutcomes
     """One method on one case in one utility mode. `drop`: the LLM filter's answer (mode-independent, asked once)."""
     case, k, family = bc.case, bc.case.k, method.family
     ev = CachedOracle(k, oracle.mode(utility))
+    if method.evals is not None and method.estimator == "auto":
+        return shipped(method, k, ev, case.seed, cfg.tau, utility)
     if method.evals is not None:
         return budgeted(method, k, ev, case.seed, cfg.tau)
     if family == "meclear":

@@ -27,7 +27,10 @@ def _add_agent_args(p: argparse.ArgumentParser) -> None:
 
     d = RunSettings()  # defaults are declared once, on the settings dataclasses
     p.add_argument("--agent", choices=AGENTS, default=d.agent, help="agent whose answers define v(S)")
-    p.add_argument("--model", help="model path or hub name for --agent vllm/transformers")
+    p.add_argument("--model", help="model path or hub name for --agent vllm/transformers; the served model's name for "
+                                   "--agent openai")
+    p.add_argument("--base-url", help="OpenAI-compatible endpoint for --agent openai, e.g. http://127.0.0.1:8000/v1 "
+                                      "(API key from $MECLEAR_OPENAI_API_KEY or $OPENAI_API_KEY only)")
     p.add_argument("--agent-option", action="append", default=[], metavar="KEY=VALUE",
                    help="extra agent setting, e.g. dtype=bfloat16 or max_model_len=4096 (repeatable)")
     p.add_argument("--executor", choices=EXECUTORS, default=d.executor, help="Ray actor pool or in process")
@@ -45,6 +48,8 @@ def _agent_options(args: argparse.Namespace) -> dict:
     opts = {}
     if args.model:
         opts["model"] = args.model
+    if getattr(args, "base_url", None):
+        opts["base_url"] = args.base_url
     opts.update(key_values(args.agent_option, "--agent-option"))
     if getattr(args, "agent", None) in ("vllm", "transformers") and isinstance(opts.get("model"), str):
         from pipeline.agents.models import resolve_model

@@ -9,6 +9,7 @@ from pathlib import Path
 from pipeline.core.errors import InputError
 from pipeline.core.extras import require
 from pipeline.core.text import safe
+from pipeline.store import manifest as manifests
 from pipeline.store import writer
 from pipeline.store.outdir import REPORT, check_file_out
 
@@ -49,9 +50,13 @@ def cmd_report(args: argparse.Namespace) -> int:
         text, what = build.eval_report(run), "benchmark report"
     else:
         for p in [run, *args.previous]:
+            if p != run and build.is_eval(p):
+                raise InputError(p, "", None, "is an eval output; --previous takes audit run folders only")
             if not data.is_run(p):
                 raise InputError(p, "", None, "is neither an audit run (a manifest and clearances/) nor an eval "
                                               "output (summary.json, cases.parquet)")
+            manifests.finished(p)  # every run read, --previous too, must have finished (one line otherwise)
+        data.check_distinct([run, *args.previous])
         check_file_out(out, "report", [run, *map(Path, args.previous)], own_report_of=run)
         text, stats = build.audit_report(run, args.previous, args.figures, not args.no_progress, args.jobs)
         what = f"audit report, {stats['queries']} queries, {stats['figures']} query figures"
@@ -64,12 +69,13 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_curate(args: argparse.Namespace) -> int:
     from pipeline.report.curate import curate, print_table, write_curation
+    from pipeline.report.data import check_distinct, is_run
 
     for p in args.run_dirs:
-        from pipeline.report.data import is_run
-
         if not is_run(p):
             raise InputError(p, "", None, "is not an audit run folder (a manifest and clearances/)")
+        manifests.finished(p)
+    check_distinct(args.run_dirs)
     check_file_out(Path(args.out), "curation", args.run_dirs)
     table = curate(args.run_dirs)
     write_curation(table, args.out)

@@ -45,6 +45,15 @@ class EngineDeadError(AgentError):
     exit_code = 4
 
 
+class EndpointGoneError(AgentError):
+    """The agent's server (the openai agent's endpoint) stopped answering: connection refused or reset, timeouts, or
+    429/5xx on every retry. No later case can be answered either, so this is not a case-level error; and unlike an
+    engine death, restarting the actor does not help (the server is outside the run). The run stops, every part already
+    written stays, and a rerun once the server is back resumes from there."""
+
+    exit_code = 4
+
+
 class MissingDependencyError(MeClearError):
     """An optional dependency is not installed; the message carries the install hint."""
 
@@ -66,8 +75,9 @@ class ResourceError(MeClearError):
 # Exit codes of `meclear` and the jobs: 0 done; 1 an unexpected failure (a bug: traceback); 2 bad input, settings or
 # output folder (one line, nothing written), and a full disk (one line; the whole parts written stay, a rerun resumes);
 # 3 finished, but some cases failed for a data reason (see errors/); 4 the agent's engine died in process
-# (`--executor local`; rerun to resume); 130 interrupted (Ctrl-C); 143 SIGTERM, 129 SIGHUP (128 + the signal:
-# `pipeline.core.signals`); in every stopped case the agents are shut down and the lock released.
+# (`--executor local`; rerun to resume) or its server stopped answering (any executor; rerun to resume); 130
+# interrupted (Ctrl-C); 143 SIGTERM, 129 SIGHUP (128 + the signal: `pipeline.core.signals`); in every stopped case
+# the agents are shut down and the lock released.
 EXIT_CASE_ERRORS = 3
 EXIT_DISK_FULL = 2
 EXIT_INTERRUPTED = 130

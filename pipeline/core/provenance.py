@@ -21,6 +21,14 @@ def sha256_file(path: str | Path) -> str:
     return h.hexdigest()
 
 
+def input_record(path: str | Path) -> dict:
+    """What a manifest records of an input file: its resolved absolute path (so no later command's working directory
+    changes what it names), device and inode (the same file under another name or link), and its content hash."""
+    p = Path(path).resolve()
+    st = p.stat()
+    return {"path": str(p), "device": st.st_dev, "inode": st.st_ino, "sha256": sha256_file(p)}
+
+
 def versions() -> dict[str, str]:
     """meclear, Python and each installed package of PACKAGES, by name."""
     import importlib.metadata as md

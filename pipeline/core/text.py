@@ -32,6 +32,15 @@ def safe(text: object) -> str:
     return str(text).translate(_CONTROL)
 
 
+_BIDI_VISIBLE = {c: f"\\u{c:04x}" for c in _BIDI}
+
+
+def no_bidi(text: str) -> str:
+    """`text` with each bidi control and line/paragraph separator shown as \\uNNNN, for a page: a browser applies
+    them as a terminal does, reordering the text around them (the report's counterpart of `safe`)."""
+    return text.translate(_BIDI_VISIBLE)
+
+
 def stem(word: str) -> str:
     """A light suffix stripper (plural, -ing, -ed) so 'plays' meets 'play' and 'climbing' meets 'climb'."""
     if len(word) > 5 and word.endswith("ing"):

@@ -54,17 +54,16 @@ def fingerprint(obj: Any, length: int = 12) -> str:
 
 def key_values(pairs: list[str], flag: str) -> dict[str, Any]:
     """`KEY=VALUE` command-line pairs as a mapping; values read as YAML scalars (numbers and booleans as such)."""
-    import yaml
+    from pipeline.core.yamlconf import load_yaml
 
     out = {}
     for kv in pairs:
         key, sep, value = kv.partition("=")
         if not sep or not key:
-            raise ConfigError(f"{flag} {safe(kv)!r}: expected KEY=VALUE")
-        try:
-            out[key] = yaml.safe_load(value)
-        except yaml.YAMLError:
-            raise ConfigError(f"{flag} {safe(kv)!r}: value is not a number, boolean or plain text") from None
+            raise ConfigError(f"{flag} {safe(kv)[:200]!r}: expected KEY=VALUE")
+        if key in out:  # the same rule as a job config's keys: a setting given twice is an error, never the last
+            raise ConfigError(f"{flag} {safe(key)[:200]!r}: is given twice; give each key once")
+        out[key] = load_yaml(value, f"{flag} {safe(key)[:200]}")
     return out
 
 

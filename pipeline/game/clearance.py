@@ -1,18 +1,34 @@
-"""Verified query-scoped clearance over a nested filtration (the paper's Theorem 2).
+"""Verified query-scoped clearance (the paper's Theorem 2), over one nested filtration or several.
 
 The harmful set H = {i : phi_i < -tau} is ranked most negative first. The candidates are the |H|+1 prefixes of that
 ranking (remove nothing, the most harmful, the two most harmful, ...). A non-empty candidate is admissible only if its
 empirical gain v(N \\ C) - v(N) is positive and the agent's answer on N \\ C is the gold one (verified recovery). The
 selection maximises gain, then minimises size; with no admissible non-empty candidate the context is left unchanged.
+
+Theorem 2's three properties (non-negative gain, verified recovery, smallest among the maximum-gain candidates) hold
+for ANY candidate family that contains the unchanged context, so `candidate_family` draws nested candidates from
+several rankings at once (issue 30): the Shapley estimate's, a sparse linear surrogate's fitted to the coalitions the
+estimator already evaluated (ContextCite's model, at no extra agent call), and LOO's; plus every single removal,
+whose coalition N minus i is an LOO anchor the audit evaluates anyway. Candidates are deduplicated by mask (the first
+ranking that proposes a set names it), and `affordable` evaluates them lazily: free ones always, the others in family
+order while the budget lasts. `select_best` records which ranking proposed the chosen candidate.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from pipeline.game.plan import full_mask
+
+# The rankings a clearance may draw candidates from (issue 30), in priority order: the first proposes the primary
+# nested chain (checked whole, as the single-ranking clearance does), the others are added size by size while the
+# budget lasts.
+RANKINGS = ("shapley", "surrogate", "loo")
+SINGLES = "single"  # every one-memory removal: free, its coalition is an LOO anchor
+UNCHANGED = "unchanged"
 
 
 def harmful_ranking(phi: np.ndarray, tau: float, loo: np.ndarray | None = None) -> np.ndarray:
@@ -44,7 +60,8 @@ class Clearance:
     gain: float
     recovered: bool  # the agent's answer on the selected context is the gold one
     baseline_correct: bool
-    candidates: int  # |H| + 1
+    candidates: int  # |H| + 1 (several rankings: the candidates evaluated, the unchanged context included)
+    source: str = "shapley"  # the ranking that proposed the chosen candidate ("unchanged" when nothing is removed)
 
 
 def select_clearance(
@@ -72,4 +89,117 @@ def select_clearance(
         recovered=bool(ok[best]),
         baseline_correct=bool(ok[0]),
         candidates=len(removals),
+        source="shapley" if best else UNCHANGED,
     )
+
+
+
+@dataclass(frozen=True)
+class Candidate:
+    removed_mask: int  # positions removed (0: the unchanged context)
+    removed: tuple[int, ...]  # the same positions, in the order of the ranking that proposed them
+    source: str  # that ranking's name, SINGLES, or UNCHANGED
+
+
+def candidate_family(k: int, rankings: Sequence[tuple[str, np.ndarray]], singles: bool = True) -> list[Candidate]:
+    """The candidates in evaluation order: the unchanged context; every prefix of the first ranking; then the other
+    rankings' prefixes, size 1 of each, size 2 of each, ...; then every single removal (K of them) when `singles`.
+    A set proposed twice is kept once, named by the first ranking that proposed it."""
+    out = [Candidate(0, (), UNCHANGED)]
+    seen = {0}
+
+    def add(removed: Sequence[int], source: str) -> None:
+        mask = int(sum(1 << int(i) for i in removed))
+        if mask not in seen:
+            seen.add(mask)
+            out.append(Candidate(mask, tuple(int(i) for i in removed), source))
+
+    if rankings:
+        name, first = rankings[0]
+        for n in range(1, len(first) + 1):
+            add(first[:n], name)
+        rest = [(name, np.asarray(r, dtype=np.int64)) for name, r in rankings[1:]]
+        for n in range(1, max((len(r) for _, r in rest), default=0) + 1):
+            for name, r in rest:
+                if n <= len(r):
+                    add(r[:n], name)
+    if singles:
+        for i in range(k):
+            add((i,), SINGLES)
+    return out
+
+
+def kept_coalitions(k: int, candidates: Sequence[Candidate]) -> np.ndarray:
+    """The kept-context coalition N minus C of each candidate, in order."""
+    return np.array([full_mask(k) & ~c.removed_mask for c in candidates], dtype=np.int64)
+
+
+def affordable(k: int, candidates: Sequence[Candidate], evaluated: Callable[[np.ndarray], np.ndarray],
+               left: int | None) -> list[Candidate]:
+    """The candidates to check with `left` more evaluations (None: all): every candidate whose coalition is already
+    evaluated (`evaluated(masks)` -> bools), and the others in family order while `left` lasts. Order kept."""
+    candidates = list(candidates)
+    if left is None:
+        return candidates
+    kept = kept_coalitions(k, candidates)
+    free = np.asarray(evaluated(kept), dtype=bool)
+    out, spent = [], 0
+    for c, is_free in zip(candidates, free, strict=True):
+        if is_free or spent < left:
+            spent += not is_free
+            out.append(c)
+    return out
+
+
+def select_best(k: int, candidates: Sequence[Candidate], values: np.ndarray, correct: np.ndarray) -> Clearance:
+    """Theorem 2's rule over an arbitrary candidate family (the first must be the unchanged context): the largest
+    positive gain among verified candidates, then the smallest, then the first in family order; else unchanged."""
+    candidates = list(candidates)
+    if not candidates or candidates[0].removed_mask != 0:
+        raise ValueError("a clearance's candidate family must start with the unchanged context")
+    kept = kept_coalitions(k, candidates)
+    util = np.asarray(values[kept], dtype=np.float64)
+    if np.isnan(util).any():
+        raise ValueError("clearance needs every candidate it selects among evaluated")
+    ok = np.asarray(correct[kept], dtype=bool)
+    gains = util - util[0]
+    best = 0
+    for c in range(1, len(candidates)):
+        if not (gains[c] > 0 and ok[c]):
+            continue
+        size, best_size = len(candidates[c].removed), len(candidates[best].removed)
+        if best == 0 or gains[c] > gains[best] or (gains[c] == gains[best] and size < best_size):
+            best = c
+    chosen = candidates[best]
+    return Clearance(
+        removed_mask=chosen.removed_mask,
+        removed=chosen.removed,
+        baseline_utility=float(util[0]),
+        cleared_utility=float(util[best]),
+        gain=float(gains[best]),
+        recovered=bool(ok[best]),
+        baseline_correct=bool(ok[0]),
+        candidates=len(candidates),
+        source=chosen.source,
+    )
+
+
+def verification_rankings(k: int, phi: np.ndarray, tau: float, loo: np.ndarray | None, masks: np.ndarray,
+                          values: np.ndarray, sources: Sequence[str] = RANKINGS) -> list[tuple[str, np.ndarray]]:
+    """The harmful rankings (score < -tau, most harmful first) the clearance draws candidates from, in `sources`
+    order: `shapley` (phi, ties by LOO), `surrogate` (ContextCite's sparse linear model fitted to the evaluated
+    coalitions `masks`/`values`: no new agent call) and `loo` (LOO effects; skipped when `loo` is None)."""
+    from pipeline.game.linear import surrogate_scores
+
+    out = []
+    for name in sources:
+        if name == "shapley":
+            out.append((name, harmful_ranking(phi, tau, loo)))
+        elif name == "surrogate":
+            w = surrogate_scores(masks, values, k)
+            out.append((name, harmful_ranking(w, tau, loo)))
+        elif name == "loo" and loo is not None:
+            out.append((name, harmful_ranking(loo, tau)))
+        elif name not in RANKINGS:
+            raise ValueError(f"clearance ranking {name!r} is unknown; allowed {RANKINGS}")
+    return out

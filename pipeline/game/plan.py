@@ -37,8 +37,9 @@ class BudgetError(ConfigError):
 
 
 def min_budget(k: int) -> int:
-    """The smallest useful budget: the empty set, the full context and the full context minus each memory."""
-    return k + 2
+    """The smallest useful budget: the empty set, the full context and the full context minus each memory (at K=1
+    the full context minus its one memory is the empty set: 2 coalitions, all there are)."""
+    return min(k + 2, 1 << k)
 
 
 def check_budget(budget: object, k: int, where: str = "budget") -> int:

@@ -93,6 +93,7 @@ def load_locomo(
             continue
         dialogue = conv["conversation"]
         memories: list[Memory] = []
+        first: dict[str, str] = {}  # dia_id -> where it first stood: one memory id is one position in a context
         sessions = sorted((int(m.group(1)), k) for k in dialogue if (m := _SESSION.match(k)))
         for num, key in sessions:
             date = str(dialogue.get(f"{key}_date_time", f"session {num}"))
@@ -100,9 +101,17 @@ def load_locomo(
                 for f in ("dia_id", "speaker", "text"):
                     if f not in turn:
                         raise InputError(path, f"{where} {key} turn {ti}", f, "is missing")
+                if turn["dia_id"] in first:
+                    raise InputError(path, f"{where} {key} turn {ti}", "dia_id",
+                                     f"{turn['dia_id']!r} repeats in conversation {sid!r} (first at "
+                                     f"{first[turn['dia_id']]}); each turn needs its own dia_id")
+                first[turn["dia_id"]] = f"{key} turn {ti}"
                 text = turn_text(date, turn["speaker"], turn["text"], turn.get("blip_caption"))
                 check_length(path, f"{where} {key} turn {ti}", "text", text, max_chars, " (--max-memory-chars)")
                 memories.append(Memory(str(turn["dia_id"]), text, date, turn["speaker"], {"session": num}))
+        if not memories:
+            raise InputError(path, where, "conversation", "holds no turns (no non-empty session_N list); "
+                                                          "give at least one session with turns")
         pools[sid] = Pool(sid, tuple(memories), f"{path}#{sid}")
         by_category: dict[int, list[str]] = {}
         for qa in conv["qa"]:
@@ -150,6 +159,7 @@ def _type_name(value) -> str:
 
 def _check_types(path: Path, data: list) -> None:
     """LoCoMo's structure, checked before use: one line naming the conversation, session, turn or QA and the field."""
+    first: dict[str, int] = {}  # sample_id -> its conversation index: a conversation given twice is audited once
     for ci, conv in enumerate(data):
         where = f"conversation {ci}"
         if not isinstance(conv, dict):
@@ -160,6 +170,11 @@ def _check_types(path: Path, data: list) -> None:
         if not isinstance(conv["sample_id"], (str, int)) or isinstance(conv["sample_id"], bool):
             raise InputError(path, where, "sample_id", f"must be a string, got {_type_name(conv['sample_id'])}")
         check_length(path, where, "sample_id", str(conv["sample_id"]), MAX_FIELD_CHARS)
+        sid = str(conv["sample_id"])
+        if sid in first:
+            raise InputError(path, where, "sample_id", f"{sid!r} repeats (first at conversation {first[sid]}); give "
+                                                       "each conversation once")
+        first[sid] = ci
         if not isinstance(conv["conversation"], dict):
             raise InputError(path, where, "conversation", f"must be an object, got {_type_name(conv['conversation'])}")
         if not isinstance(conv["qa"], list):

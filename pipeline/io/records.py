@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -69,7 +70,7 @@ def loads_json(text: str, path: Path, where: str | None = None):
     """`json.loads`, every failure one InputError: bad syntax (at `where`, or the line the parser names), a nesting
     deeper than Python's recursion limit, a number with more digits than Python converts (4,300)."""
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except json.JSONDecodeError as exc:
         raise InputError(path, where or f"line {exc.lineno}", None, f"is not valid JSON ({exc.msg})") from None
     except RecursionError:
@@ -77,6 +78,43 @@ def loads_json(text: str, path: Path, where: str | None = None):
                                                   "1,000 levels)") from None
     except ValueError:  # int('9' * 5000): Python refuses integers of more than sys.get_int_max_str_digits() digits
         raise InputError(path, where or "", None, "holds a number with more than 4,300 digits") from None
+    if _ESCAPED_SURROGATE.search(text):  # only a \uD800-\uDFFF escape makes one: decoded UTF-8 bytes never do
+        check_encodable(value, path, where or "")
+    return value
+
+
+# A JSON escape of a UTF-16 surrogate. A pair (\ud83d\ude00) decodes to one character; a lone one stays a surrogate,
+# which no UTF-8 writer (Parquet, the terminal, the report) can encode: refused at load time, not mid-run.
+_ESCAPED_SURROGATE = re.compile(r"\\[uU][dD][89a-fA-F]")
+
+
+def check_encodable(value, path: Path, where: str) -> None:
+    """Every string (keys included) of a parsed JSON value encodes as UTF-8; otherwise one InputError naming the
+    field by its path in the record (`text`, `conversation.session_1[3].text`). Walked without recursion."""
+    stack: list[tuple[str, object]] = [("", value)]
+    while stack:
+        at, v = stack.pop()
+        if isinstance(v, str):
+            items: list[tuple[str, object]] = []
+            _encodable(v, path, where, at)
+        elif isinstance(v, dict):
+            for k in v:  # a bad key is named by the record it sits in
+                _encodable(k, path, where, f"{at} (a key)".lstrip())
+            items = [(f"{at}.{k}".lstrip("."), child) for k, child in v.items()]
+        elif isinstance(v, list):
+            items = [(f"{at}[{i}]", child) for i, child in enumerate(v)]
+        else:
+            items = []
+        stack.extend(reversed(items))
+
+
+def _encodable(s: str, path: Path, where: str, at: str) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = s[exc.start]
+        raise InputError(path, where, at or None, f"holds a lone surrogate escape (\\u{ord(bad):04x}) at character "
+                                                  f"{exc.start}, which is not UTF-8 text; fix or drop it") from None
 
 
 def check_metadata(path: Path, where: str, metadata: object) -> None:

@@ -6,8 +6,7 @@ import base64
 import json
 from pathlib import Path
 
-from tqdm.auto import tqdm
-
+from pipeline.core.progress import progress_bar
 from pipeline.report import data as rd
 from pipeline.report import plots
 from pipeline.report.page import document, esc, html_table
@@ -91,7 +90,8 @@ def _one_figure(rec: dict) -> str:
 def _figures(records: list[dict], jobs: int, progress: bool):
     """Per-query figures, packed, in order. Matplotlib is single-threaded and a figure costs ~0.13 s on the development
     machine (measured while it was busy), so the figures of a large run are drawn in worker processes."""
-    bar = tqdm(total=len(records), desc="query figures", unit="query", disable=not progress)
+    # a tqdm bar on a terminal only: a job log (not a terminal) gets plain lines, never carriage returns
+    bar = progress_bar(len(records), "query figures", "query", enabled=progress)
     if jobs <= 1 or len(records) < 64:
         for rec in records:
             yield _one_figure(rec)
@@ -116,7 +116,8 @@ def audit_report(run_dir: str | Path, previous: list[str | Path] = (), figures: 
     pools = rd.pool_summary(run)
     records = rd.query_records(run)
     wanted = [figures == "all" or (figures == "harm" and rec["harmful"] > 0) for rec in records]
-    svgs = _figures([rec for rec, w in zip(records, wanted) if w], jobs, progress)
+    # drawn to the end (the page holds them all anyway), so the progress reporter closes with its final line
+    svgs = iter(list(_figures([rec for rec, w in zip(records, wanted) if w], jobs, progress)))
     out_q = []
     for rec, want in zip(records, wanted):
         rec = {k: v for k, v in rec.items() if k not in ("matrix", "labels")}
@@ -144,7 +145,7 @@ def eval_report(eval_dir: str | Path) -> str:
     s = json.loads((p / "summary.json").read_text())
     import polars as pl
 
-    cases = pl.read_parquet(p / "cases.parquet")
+    cases = pl.read_parquet(p / "cases.parquet", glob=False)
     sections = []
     counts = [[m, c.get("kept"), *(v for k, v in c.items() if k != "kept")] for m, c in s.get("cases", {}).items()]
     if counts:

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
+from pipeline.core.errors import InputError, OutputError
 from pipeline.game.clearance import nested_removals
 from pipeline.store import manifest as manifests
 from pipeline.store import parts
@@ -36,6 +37,31 @@ class Run:
 
 def is_run(path: str | Path) -> bool:
     return manifests.exists(path) and (Path(path) / "clearances").is_dir()
+
+
+def check_distinct(paths: list[str | Path], what: str = "run") -> None:
+    """Each run given once to `curate` or `report` (with its `--previous`): the same folder under another name (a
+    trailing slash, `./`, a link, a bind mount: resolved path and device/inode), or a copy of the same run attempt
+    (same run_id and attempt), is one line, exit 2; counting it twice would double every query of it.
+
+    Two runs with the same run_id but different attempts are two executions (two nights over unchanged inputs and
+    settings) and both count: that is the evidence seen again that curation weighs (`pipeline.report.curate`)."""
+    seen: dict[object, str] = {}
+    for p in paths:
+        folder = Path(p)
+        st = folder.stat()
+        keys: list[object] = [folder.resolve(), (st.st_dev, st.st_ino)]
+        try:
+            m = manifests.read(folder)
+            keys.append((m.run_id, m.attempt))
+        except (InputError, OutputError):
+            pass  # the reader reports the bad manifest itself
+        for key in keys:
+            if key in seen:
+                raise InputError(folder, "", None, f"is the same {what} as {seen[key]} (given twice); give each run "
+                                                   "once")
+        for key in keys:
+            seen[key] = str(p)
 
 
 def load_run(path: str | Path) -> Run:

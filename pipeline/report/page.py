@@ -11,6 +11,8 @@ import html
 import json
 import math
 
+from pipeline.core.text import no_bidi
+
 CSS = """
 body{font:14px/1.45 system-ui,-apple-system,'Segoe UI',sans-serif;margin:0;color:#222;background:#fafafa}
 header{background:#1f3b57;color:#fff;padding:14px 24px}header h1{margin:0;font-size:20px}
@@ -117,7 +119,7 @@ requestAnimationFrame(() => setTimeout(() => { document.body.dataset.paintMs = M
 
 
 def esc(value) -> str:
-    return html.escape("" if value is None else str(value), quote=True)
+    return html.escape(no_bidi("" if value is None else str(value)), quote=True)
 
 
 def json_for_script(obj) -> str:
@@ -136,11 +138,13 @@ def _default(o):
 
 
 def clean(v):
-    """NaN/inf -> None, recursively (JSON has no NaN)."""
+    """NaN/inf -> None, recursively (JSON has no NaN); bidi controls in text made visible (`no_bidi`)."""
     if isinstance(v, float):
         return v if math.isfinite(v) else None
+    if isinstance(v, str):
+        return no_bidi(v)
     if isinstance(v, dict):
-        return {k: clean(x) for k, x in v.items()}
+        return {(no_bidi(k) if isinstance(k, str) else k): clean(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
         return [clean(x) for x in v]
     return v

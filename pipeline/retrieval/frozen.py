@@ -270,13 +270,14 @@ class Retriever:
 
     def freeze_all(self, queries: Sequence[Query]) -> list[FrozenContext]:
         """The frozen contexts of `queries`, in input order."""
-        from tqdm.auto import tqdm
+        from pipeline.core.progress import progress_bar
 
         frozen = {}
-        with tqdm(total=len(queries), desc="retrieve", unit="query", disable=not self.progress) as bar:
-            for _, pairs in self.stream(queries):
-                frozen.update((id(q), c) for q, c in pairs)
-                bar.update(len(pairs))
+        bar = progress_bar(len(queries), "retrieve", "query", enabled=self.progress)
+        for _, pairs in self.stream(queries):
+            frozen.update((id(q), c) for q, c in pairs)
+            bar.update(len(pairs))
+        bar.close()
         return [frozen[id(q)] for q in queries]
 
     def close(self) -> None:

@@ -18,6 +18,7 @@ from pipeline.store.writer import SCHEMA_VERSION, write_json_atomic
 
 FILE = "manifest.json"
 STATUSES = ("running", "complete", "complete_with_errors")
+KINDS = ("audit",)  # the one kind of run folder with a manifest (an eval folder has summary.json instead)
 
 
 class SchemaVersionError(OutputError):
@@ -38,7 +39,10 @@ class Manifest:
     config: dict[str, Any] = field(default_factory=dict)  # AuditConfig as a mapping
     agent: str | None = None  # the agents' fingerprint
     retrieval: str | None = None
-    inputs: list[dict[str, str]] = field(default_factory=list)  # {"path", "sha256"} of every input file read
+    # every input file read: {"path" (resolved, absolute), "device", "inode", "sha256"}; manifests written before the
+    # resolved paths hold the path as given, relative to the audit's working directory (see `input_paths`)
+    inputs: list[dict[str, Any]] = field(default_factory=list)
+    input_folders: list[str] = field(default_factory=list)  # folders given as inputs (resolved), whose files were read
     versions: dict[str, str] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
@@ -50,11 +54,27 @@ class Manifest:
     def finished(self) -> bool:
         return self.status != "running"
 
+    def input_paths(self, folder: Path) -> list[Path]:
+        """Every file and folder this run read: its inputs, input folders and --reuse folders (never to be written
+        over), as absolute paths. A relative path (a manifest written before paths were resolved) is relative to the
+        audit's working directory, which is not known: both the run folder's parent and the current directory are
+        returned, so the rule errs towards refusing."""
+        given = ([Path(i["path"]) for i in self.inputs if isinstance(i, dict) and isinstance(i.get("path"), str)]
+                 + [Path(f) for f in self.input_folders] + [Path(r) for r in self.reuse])
+        out: list[Path] = []
+        for p in given:
+            out += [p] if p.is_absolute() else [(Path(folder).resolve().parent / p), p.resolve()]
+        return out
+
     @property
-    def input_paths(self) -> list[Path]:
-        """Every file and folder this run read: its inputs and its --reuse folders (never to be written over)."""
-        return ([Path(i["path"]) for i in self.inputs if isinstance(i, dict) and "path" in i]
-                + [Path(r) for r in self.reuse])
+    def input_identities(self) -> set[tuple[int, int]]:
+        """(device, inode) of every input file as recorded: the same file under another name, link or mount."""
+        return {(i["device"], i["inode"]) for i in self.inputs
+                if isinstance(i, dict) and isinstance(i.get("device"), int) and isinstance(i.get("inode"), int)}
+
+    @property
+    def input_hashes(self) -> set[str]:
+        return {i["sha256"] for i in self.inputs if isinstance(i, dict) and isinstance(i.get("sha256"), str)}
 
     def write(self, folder: Path) -> None:
         write_json_atomic(Path(folder) / FILE, asdict(self))
@@ -90,6 +110,12 @@ def read(folder: str | Path) -> Manifest:
         raise OutputError(f"{p}: unknown key(s) {unknown} for schema version {SCHEMA_VERSION}")
     raw.setdefault("status", "running")
     raw.setdefault("attempt", "")
+    # A manifest is read by commands that decide from it (resume, report, curate, --previous): a value it cannot hold
+    # is one line here, never taken for a default.
+    if raw["status"] not in STATUSES:
+        raise OutputError(f"{p}: status {raw['status']!r} is not one of {list(STATUSES)}; give a meclear run folder")
+    if raw.get("kind", "audit") not in KINDS:
+        raise OutputError(f"{p}: kind {raw.get('kind')!r}; meclear run folders are of kind {list(KINDS)}")
     return Manifest(**raw)
 
 

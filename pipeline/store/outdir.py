@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Iterable
 
 from pipeline.core.errors import OutputError
+from pipeline.core.provenance import sha256_file
 from pipeline.store import manifest as manifests
 from pipeline.store.lock import LOCK
 from pipeline.store.parts import QUARANTINE
@@ -77,6 +78,18 @@ def _check_not_inside_a_run(flag: str, out: Path) -> None:
             raise OutputError(f"{flag} {out}: is inside {parent}, {kind}; give a folder beside it")
 
 
+# Kernel pseudo-filesystems: a write there changes kernel state or fails half-way with an errno no user can act on.
+PSEUDO_ROOTS = (Path("/proc"), Path("/sys"), Path("/dev"))
+
+
+def check_real_folder(flag: str, out: Path) -> None:
+    """`out` (resolved) is not on a kernel pseudo-filesystem (/proc, /sys, /dev): one line, before anything else."""
+    resolved = Path(out).resolve()
+    for root in PSEUDO_ROOTS:
+        if _inside(resolved, root) and not _inside(resolved, Path("/dev/shm")):  # /dev/shm is a plain tmpfs
+            raise OutputError(f"{flag} {out}: is under {root}, a kernel pseudo-filesystem; give a folder on a disk")
+
+
 def _check_writable(flag: str, out: Path) -> None:
     existing = next((p for p in [out, *out.parents] if p.exists()), Path("."))
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
@@ -94,6 +107,7 @@ def check_out(out: Path, inputs: Iterable[str | Path]) -> None:
     """An audit's `--out` (a run folder; a rerun into it resumes). Raises OutputError with one line. `inputs`: every
     file and folder the run reads, --reuse folders included."""
     out = Path(out)
+    check_real_folder("--out", out)
     if out.exists() and not out.is_dir():
         raise OutputError(f"--out {out}: is an existing file; give a folder")
     _check_inputs("--out", out, inputs)
@@ -117,6 +131,7 @@ def check_out(out: Path, inputs: Iterable[str | Path]) -> None:
 def check_eval_out(out: Path, inputs: Iterable[str | Path]) -> None:
     """`meclear eval --out`: a folder of its own (never an audit run folder, nor inside one, nor an input)."""
     out = Path(out)
+    check_real_folder("--out", out)
     if out.exists() and not out.is_dir():
         raise OutputError(f"--out {out}: is an existing file; give a folder")
     _check_inputs("--out", out, inputs)
@@ -131,26 +146,44 @@ def check_file_out(out: Path, what: str, reads: Iterable[str | Path], own_report
     folders the command reads (their manifests' inputs are protected too). `own_report_of`: the run whose own
     `report.html` this is allowed to be."""
     out = Path(out)
+    check_real_folder("--out", out)
     if out.is_dir():
         raise OutputError(f"--out {out}: is a folder; give the {what} file's path")
+    # Paths are compared resolved (absolute, links followed), and existing files also by (device, inode) and by
+    # content hash: a rule that held from one working directory and failed from another overwrote a memory bank.
     protected: list[Path] = []
+    identities: set[tuple[int, int]] = set()
+    hashes: set[str] = set()
     for r in map(Path, reads):
         protected.append(r)
         if manifests.exists(r):
             try:
-                protected += manifests.read(r).input_paths
+                m = manifests.read(r)
             except OutputError:
-                pass  # the reader reports the bad manifest itself
+                continue  # the reader reports the bad manifest itself
+            protected += m.input_paths(r)
+            identities |= m.input_identities
+            hashes |= m.input_hashes
     target = out.resolve()
+    own = own_report_of is not None and target == (own_report_of / REPORT).resolve()
     for p in protected:
-        if target == p.resolve() or (p.is_dir() and _inside(target, p.resolve())):
-            if own_report_of is not None and target == (own_report_of / REPORT).resolve():
+        rp = p.resolve()
+        if target == rp or (rp.is_dir() and _inside(target, rp)):
+            if own:
                 continue
-            raise OutputError(f"--out {out}: is {'in ' if target != p.resolve() else ''}{p}, which this {what} reads "
+            raise OutputError(f"--out {out}: is {'in ' if target != rp else ''}{p}, which this {what} reads "
                               f"or its run was made from; give a path outside it")
+        if rp.exists():
+            st = rp.stat()
+            identities.add((st.st_dev, st.st_ino))
+    if out.is_file():
+        st = out.stat()
+        if (st.st_dev, st.st_ino) in identities or (hashes and sha256_file(out) in hashes):
+            raise OutputError(f"--out {out}: is the same file as an input its run was made from (by device and inode "
+                              "or content); give a path outside the inputs")
     for parent in target.parents:
         kind = _kind(parent)
-        if kind and not (own_report_of is not None and target == (own_report_of / REPORT).resolve()):
+        if kind and not own:
             raise OutputError(f"--out {out}: is inside {parent}, {kind}; give a path beside it")
     if out.exists() and not _written_by(out, what):
         raise OutputError(f"--out {out}: exists and is not a meclear {what}; give a new path")

@@ -127,4 +127,4 @@ def read_dataset(folder: Path, name: str, schema: pa.Schema):
             raise InputError(p, "", None, f"damaged part ({why}); rerun `meclear audit --out {folder}` to set it "
                                           "aside and evaluate it again")
         check_schema(p, schema)
-    return pl.read_parquet(files)
+    return pl.read_parquet(files, glob=False)  # literal paths: a '[' or '*' in --out is a name, not a pattern

@@ -22,7 +22,7 @@ def _read_previous(files: list[Path], agent_fp: str, mode: str, pool_id: str | N
     if pool_id is not None:  # pushed down into the scan: row groups of other pools are skipped by their statistics
         cond = (pl.col("pool_id") == pool_id) & cond
     df = (
-        pl.scan_parquet(files)
+        pl.scan_parquet(files, glob=False)
         .filter(cond)
         .select("pool_id", "query_id", "context_hash", "coalition", "utility", "correct", "answer")
         .unique(subset=["pool_id", "query_id", "context_hash", "coalition"], keep="first")
@@ -87,7 +87,7 @@ class ReuseImport:
         wanted = pl.DataFrame({"pool_id": [c[0] for c in keys], "query_id": [c[1] for c in keys],
                                "context_hash": [c[2] for c in keys]})
         df = (
-            pl.scan_parquet(self.files)
+            pl.scan_parquet(self.files, glob=False)
             .filter((pl.col("pool_id") == pool_id) & (pl.col("agent") == self.agent_fp)
                     & (pl.col("utility_mode") == self.mode) & pl.col("utility").is_finite())
             .join(wanted.lazy(), on=["pool_id", "query_id", "context_hash"], how="semi")
@@ -95,7 +95,8 @@ class ReuseImport:
             .collect()
         )
         if self.own and df.height:
-            have = pl.scan_parquet(self.own).filter(pl.col("pool_id") == pool_id).select(list(UTILITY_KEY)).collect()
+            have = (pl.scan_parquet(self.own, glob=False).filter(pl.col("pool_id") == pool_id)
+                    .select(list(UTILITY_KEY)).collect())
             df = df.join(have, on=list(UTILITY_KEY), how="anti")
         if df.height:
             (self.out / "utilities").mkdir(parents=True, exist_ok=True)

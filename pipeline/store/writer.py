@@ -209,9 +209,10 @@ def _compact_into(tmp: Path, old: list[Path], schema: pa.Schema, key: Sequence[s
 
     before = rows = 0
     with pq.ParquetWriter(tmp, schema, compression="zstd") as out:
-        groups = pl.scan_parquet(old).select(pl.col(by).unique()).collect()[by].sort().to_list() if old else []
+        scan = pl.scan_parquet(old, glob=False) if old else None  # literal paths: '[' in --out is no pattern
+        groups = scan.select(pl.col(by).unique()).collect()[by].sort().to_list() if scan is not None else []
         for g in groups:
-            df = pl.scan_parquet(old).filter(pl.col(by) == g).collect()
+            df = scan.filter(pl.col(by) == g).collect()
             before += df.height
             df = df.unique(subset=list(key), keep="first", maintain_order=True)
             rows += df.height

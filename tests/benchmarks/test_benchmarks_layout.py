@@ -37,11 +37,11 @@ def test_no_library_module_imports_the_benchmarks():
 
 def test_every_harness_is_in_the_module_map():
     text = (ROOT / "docs" / "architecture.md").read_text()
-    assert HARNESSES == ["build_cost", "engine", "floor", "gpu_check", "throughput"]
+    assert HARNESSES == ["build_cost", "engine", "floor", "gpu_check", "served", "throughput"]
     assert all(f"- `benchmarks/{h}.py`: " in text for h in HARNESSES), "list each benchmarks/ module in architecture.md"
 
 
-@pytest.mark.parametrize("job", ["bench_engine.py", "bench_agents.py", "gpu_check.py"])
+@pytest.mark.parametrize("job", ["bench_engine.py", "bench_agents.py", "bench_openai.py", "gpu_check.py"])
 def test_a_job_finds_its_harness_from_a_clone_without_pythonpath(tmp_path, job):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.run([sys.executable, str(ROOT / "jobs" / job), "--help"], cwd=tmp_path, env=env,

@@ -253,6 +253,59 @@ CASES |= {
 }
 
 
+# Issue 29: inputs named another way, repeated, or built to be expensive (a probe of 220 kinds found each of these).
+LAUGHS = "a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]\n" + "".join(
+    f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 10)}]\n" for i in range(8))
+FLOW_LAUGHS = "[&a [1,1,1,1,1,1,1,1,1,1], " + ", ".join(
+    f"&{chr(98 + i)} [{','.join([f'*{chr(97 + i)}'] * 10)}]" for i in range(8)) + "]"
+LONE = "\\udc00"  # a JSON escape of a lone surrogate: valid JSON, not encodable UTF-8
+
+
+def _prev_run_folder(t: Path) -> Path:
+    (t / "prev" / "utilities").mkdir(parents=True)
+    return t / "prev"
+
+
+CASES |= {
+    "job_yaml_nested_aliases": (lambda t: job(t, LAUGHS + "inputs: {}\nout: OUT\n"), "expands to more than 100,000 values"),
+    "job_yaml_recursive_alias": (lambda t: job(t, "inputs: &a {x: *a}\nout: OUT\n"), "holds a recursive alias"),
+    "job_key_given_twice": (lambda t: job(t, "inputs: {}\nout: OUT\nout: OUT\n"), "key 'out' is given twice in one mapping"),
+    "job_nested_key_given_twice": (lambda t: job(t, "inputs: {}\nout: OUT\naudit: {tau: 0.1, tau: 0.2}\n"), "key 'tau' is given twice"),
+    "job_integer_of_5000_digits": (lambda t: job(t, f"inputs: {{}}\nout: OUT\naudit: {{seed: {HUGE_INT}}}\n"),
+                                   "holds an integer with more than 4,300 digits"),
+    "job_config_over_a_mebibyte": (lambda t: job(t, "inputs: {}\nout: OUT\n#" + "x" * (1 << 20) + "\n"), "the limit is 1,048,576"),
+    "job_yaml_error_is_short": (lambda t: job(t, "inputs: {}\nout: OUT\naudit: {" + "x" * 100_000 + ": [\n"), "not valid YAML"),
+    "agent_option_nested_aliases": (lambda t: ["--agent-option", "beta=" + FLOW_LAUGHS], "expands to more than 100,000 values"),
+    "agent_option_integer_of_5000_digits": (lambda t: ["--agent-option", f"beta={HUGE_INT}"], "holds an integer with more than 4,300 digits"),
+    "agent_option_given_twice": (lambda t: ["--agent-option", "beta=1", "--agent-option", "beta=2"], "'beta': is given twice"),
+    "memory_text_lone_surrogate": (lambda t: pair(t, mem=['{"memory_id": "m1", "text": "a' + LONE + 'b"}']),
+                                   "mem.jsonl:line 1: field 'text' holds a lone surrogate escape (\\udc00)"),
+    "memory_id_lone_surrogate": (lambda t: pair(t, mem=['{"memory_id": "' + LONE + '", "text": "x"}']),
+                                 "field 'memory_id' holds a lone surrogate"),
+    "question_lone_surrogate": (lambda t: pair(t, qry=['{"query_id": "q1", "question": "' + LONE + '?", "answer": "Lisbon"}']),
+                                "q.jsonl:line 1: field 'question' holds a lone surrogate"),
+    "locomo_turn_lone_surrogate": (lambda t: locomo(t, json.dumps([LOCOMO_CONV]).replace("I moved", LONE + "I moved").encode()),
+                                   "field '[0].conversation.session_1[0].text' holds a lone surrogate"),
+    "mem0_memory_lone_surrogate": (lambda t: mem0(t, json.dumps([M0]).replace("Ana moved", LONE)),
+                                   "field '[0].memory' holds a lone surrogate"),
+    "locomo_sample_id_twice": (lambda t: locomo(t, [LOCOMO_CONV, LOCOMO_CONV]),
+                               "conversation 1: field 'sample_id' 'c1' repeats (first at conversation 0)"),
+    "locomo_dia_id_twice": (lambda t: locomo(t, [{**LOCOMO_CONV, "conversation": {"session_1": [
+        {"dia_id": "D1:1", "speaker": "Ana", "text": "a"}, {"dia_id": "D1:1", "speaker": "Ana", "text": "b"}]}}]),
+                            "session_1 turn 1: field 'dia_id' 'D1:1' repeats in conversation 'c1' (first at session_1 turn 0)"),
+    "locomo_conversation_without_sessions": (lambda t: locomo(t, [{**LOCOMO_CONV, "conversation": {"speaker_a": "Ana"}}]),
+                                             ("locomo.json:conversation 0: field 'conversation' holds no turns")),
+    "out_under_proc": (lambda t: ["OUT", "/proc/meclear-out"], "is under /proc, a kernel pseudo-filesystem"),
+    "out_under_sys": (lambda t: ["OUT", "/sys/kernel/meclear"], "is under /sys, a kernel pseudo-filesystem"),
+    "reuse_is_the_out_folder": (lambda t: ["--reuse", str(t / "out")], "is the same folder as --out"),
+    "reuse_is_the_out_folder_named_another_way": (lambda t: ["--reuse", str(t / "out") + "/./"], "is the same folder as --out"),
+    "reuse_given_twice": (lambda t: ["--reuse", str(_prev_run_folder(t)), "--reuse", str(t / "prev") + "/"],
+                          "give each --reuse folder once"),
+    "adaptive_z_negative": (lambda t: ["--estimator", "adaptive", "--adaptive-z", "-1"], "adaptive_z=-1.0; must be a finite number > 0"),
+    "adaptive_z_zero": (lambda t: ["--estimator", "adaptive", "--adaptive-z", "0"], "adaptive_z=0.0; must be a finite number > 0"),
+}
+
+
 def _nightly_main():
     spec = importlib.util.spec_from_file_location("nightly_audit", ROOT / "jobs" / "nightly_audit.py")
     module = importlib.util.module_from_spec(spec)
@@ -290,3 +343,9 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(kind, tmp_path, capsys)
     for part in words if isinstance(words, tuple) else (words,):  # a tuple: every part, in the line
         assert part in err, err
     assert _tree(tmp_path) == before  # nothing written, nothing removed
+
+
+def test_the_error_line_of_a_huge_yaml_file_is_short(tmp_path, capsys):
+    args = job(tmp_path, "inputs: {}\nout: OUT\naudit: {" + "x" * 100_000 + ": [\n")
+    assert _nightly_main()(["--config", args[1], "--no-progress"]) == 2
+    assert len(capsys.readouterr().err) < 600

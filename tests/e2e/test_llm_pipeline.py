@@ -133,6 +133,35 @@ def test_backends_agree_on_every_coalition(vllm_run: Path, hf_run: Path) -> None
 
 
 @pytest.mark.llm
+def test_openai_audit_on_ray_gives_the_in_process_vllm_answers(vllm_run, vllm_server, tiny_model,  # noqa: F811
+                                                               tmp_path) -> None:
+    """The issue's "done when": `meclear audit --agent openai --base-url ... --model M` (two Ray actors, each with its
+    own client, so requests spread over the actors) audits the sample pool with the in-process vLLM agent's answers,
+    coalition by coalition, and reaches the same clearances."""
+    out = tmp_path / "openai"
+    argv = ["audit", "--agent", "openai", "--base-url", vllm_server, "--model", tiny_model, "--max-queries",
+            str(QUERIES), "--top-k", str(K), "--dense", "off", "--executor", "ray", "--actors", "2", "--out", str(out),
+            "--no-progress"]
+    started = time.perf_counter()
+    assert main(argv) == 0
+    print(f"meclear audit --agent openai (2 actors): {time.perf_counter() - started:.1f}s")
+    util = _check_audit_outputs(out)
+    assert util["agent"][0].startswith("openai-")
+    key = ["pool_id", "query_id", "context_hash", "coalition"]
+    cols = [*key, "gold_prob", "answer", "prompt_tokens"]
+    both = _utilities(vllm_run).select(cols).join(util.select(cols), on=key, suffix="_api")
+    assert both.height == QUERIES * MAX_EVALUATIONS
+    diff = float((both["gold_prob"] - both["gold_prob_api"]).abs().max())
+    print(f"max |gold_prob vllm in process - vllm serve| = {diff:.2e} over {both.height} coalitions")
+    assert diff <= CROSS_BACKEND_TOL
+    assert (both["answer"] == both["answer_api"]).all() and (both["prompt_tokens"] == both["prompt_tokens_api"]).all()
+    cl = ["query_id", "cleared", "recovered"]
+    mine, theirs = (pl.read_parquet(r / "clearances" / "*.parquet").select(cl).sort("query_id")
+                    for r in (out, vllm_run))
+    assert mine.equals(theirs)
+
+
+@pytest.mark.llm
 @pytest.mark.skipif(not LOCOMO.is_file(), reason=f"{LOCOMO} not available")
 def test_eval_runs_with_the_vllm_agent(ray_session, engine_env, tiny_model, tmp_path) -> None:  # noqa: F811
     if not has_module("vllm"):
@@ -142,9 +171,9 @@ def test_eval_runs_with_the_vllm_agent(ray_session, engine_env, tiny_model, tmp_
             "meclear_l4,loo,filter", "--utility", "probability", "--replicates", "50", "--dense", "off",
             "--agent", "vllm", "--model", tiny_model, "--executor", "ray", "--actors", "1", "--out", str(out),
             "--no-progress"]
-    # LoCoMo turns are longer than the sample memories, and the tiny tokenizer spends many tokens on them (a later
-    # --agent-option overrides an earlier one).
-    for opt in (*VLLM_OPTIONS, "max_model_len=2048"):
+    # LoCoMo turns are longer than the sample memories, and the tiny tokenizer spends many tokens on them. Each key is
+    # given once: the same --agent-option key twice is an error, never "the last one wins".
+    for opt in (*(o for o in VLLM_OPTIONS if not o.startswith("max_model_len=")), "max_model_len=2048"):
         argv += ["--agent-option", opt]
     started = time.perf_counter()
     assert main(argv) == 0

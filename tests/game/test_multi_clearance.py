@@ -1,0 +1,116 @@
+"""Verified clearance over several rankings (issue 30): Theorem 2's three properties on random games, for any
+candidate family that holds the unchanged context; the free sparse surrogate matches ContextCite's released fit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipeline.game.clearance import (
+    UNCHANGED,
+    affordable,
+    candidate_family,
+    kept_coalitions,
+    select_best,
+    select_clearance,
+    verification_rankings,
+)
+from pipeline.game.plan import full_mask
+
+
+def _game(k: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    values = rng.random(1 << k)
+    return values, rng.random(1 << k) < 0.4
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_theorem_2_holds_for_a_family_drawn_from_several_rankings(seed: int) -> None:
+    k = 6
+    values, correct = _game(k, seed)
+    rng = np.random.default_rng([seed, 1])
+    rankings = [(name, rng.permutation(k)[: rng.integers(0, k + 1)]) for name in ("shapley", "surrogate", "loo")]
+    family = candidate_family(k, rankings)
+    assert family[0].removed_mask == 0 and family[0].source == UNCHANGED
+    assert len({c.removed_mask for c in family}) == len(family)  # each set once
+    c = select_best(k, family, values, correct)
+    full = full_mask(k)
+    base = values[full]
+    # 1. non-negative gain; 2. a non-empty clearance is verified; 3. smallest among the maximum-gain admissible ones
+    assert c.gain >= 0
+    def gain(f):
+        return values[full & ~f.removed_mask] - base
+
+    admissible = [f for f in family[1:] if gain(f) > 0 and correct[full & ~f.removed_mask]]
+    if not admissible:
+        assert c.removed_mask == 0 and c.source == UNCHANGED
+        return
+    assert correct[full & ~c.removed_mask]
+    best_gain = max(gain(f) for f in admissible)
+    assert c.gain == pytest.approx(best_gain)
+    assert len(c.removed) == min(len(f.removed) for f in admissible if gain(f) == best_gain)
+    assert c.source in {"shapley", "surrogate", "loo", "single"}
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_one_ranking_without_singles_is_the_nested_clearance(seed: int) -> None:
+    k = 7
+    values, correct = _game(k, seed)
+    ranking = np.random.default_rng(seed).permutation(k)[:4]
+    want = select_clearance(k, ranking, values, correct)
+    got = select_best(k, candidate_family(k, [("shapley", ranking)], singles=False), values, correct)
+    assert (got.removed_mask, got.gain, got.recovered, got.candidates) == (
+        want.removed_mask, want.gain, want.recovered, want.candidates)
+    assert got.source == want.source
+
+
+def test_more_candidates_never_lower_the_gain() -> None:
+    k = 6
+    for seed in range(30):
+        values, correct = _game(k, seed)
+        ranking = np.random.default_rng(seed).permutation(k)[:3]
+        one = select_best(k, candidate_family(k, [("shapley", ranking)], singles=False), values, correct)
+        many = select_best(k, candidate_family(k, [("shapley", ranking), ("loo", ranking[::-1])]), values, correct)
+        assert many.gain >= one.gain
+
+
+def test_affordable_takes_free_candidates_and_stops_paying_at_the_budget() -> None:
+    k = 5
+    family = candidate_family(k, [("shapley", np.array([0, 1, 2])), ("loo", np.array([3, 4]))])
+    done = set(kept_coalitions(k, family[:2]).tolist()) | {full_mask(k) & ~(1 << i) for i in range(k)}
+    chosen = affordable(k, family, lambda m: np.array([int(x) in done for x in m]), left=1)
+    paid = [c for c in chosen if int(full_mask(k) & ~c.removed_mask) not in done]
+    assert len(paid) == 1 and paid[0] is family[2]  # the first costly candidate, in family order
+    assert all(c in chosen for c in family if int(full_mask(k) & ~c.removed_mask) in done)
+    assert affordable(k, family, lambda m: np.zeros(len(m), bool), None) == family
+
+
+def test_a_family_must_start_unchanged() -> None:
+    values, correct = _game(3, 0)
+    family = candidate_family(3, [("shapley", np.array([1]))])
+    with pytest.raises(ValueError, match="unchanged"):
+        select_best(3, family[1:], values, correct)
+
+
+def test_surrogate_ranking_is_contextcites_fit() -> None:
+    pytest.importorskip("sklearn")
+    from pipeline.game.linear import surrogate_scores
+    from pipeline.game.surrogates import contextcite_fit, random_masks
+
+    k = 10
+    rng = np.random.default_rng(0)
+    masks = np.unique(random_masks(k, 120, rng))
+    util = 1 / (1 + np.exp(-(((masks[:, None] >> np.arange(k)) & 1) @ rng.normal(size=k))))
+    assert np.abs(surrogate_scores(masks, util, k) - contextcite_fit(masks, util, k)[0]).max() < 1e-5
+
+
+def test_verification_rankings_find_a_harmful_memory_each() -> None:
+    k = 4
+    # memory 2 is harmful: the answer is right only without it
+    masks = np.arange(1 << k, dtype=np.int64)
+    values = np.where(masks & 4, 0.1, 0.9)
+    phi = np.array([0.0, 0.0, -0.8, 0.0])
+    full = full_mask(k)
+    loo = values[full] - values[[full & ~(1 << i) for i in range(k)]]
+    got = dict(verification_rankings(k, phi, 0.05, loo, masks, values))
+    assert {name: r.tolist() for name, r in got.items()} == {"shapley": [2], "surrogate": [2], "loo": [2]}
