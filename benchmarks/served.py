@@ -74,10 +74,12 @@ def free_port() -> int:
 
 
 def start_server(model: str, log_path: Path, options: dict | None = None, timeout_s: float = 300.0,
-                 eager: bool = False) -> tuple[subprocess.Popen, str]:
+                 eager: bool = False, own_group: bool = False) -> tuple[subprocess.Popen, str]:
     """A real `vllm serve` of `model` on a free loopback port; the process and its base URL (.../v1) once
     `GET /models` answers. `options`: dtype, max_model_len, block_size, seed (the in-process agent's names).
-    `eager`: no torch.compile (a faster start for tests; answers differ from compiled ones by rounding only)."""
+    `eager`: no torch.compile (a faster start for tests; answers differ from compiled ones by rounding only).
+    `own_group`: the server in a process group of its own, so a caller can kill the API server and its engine core
+    together (os.killpg); otherwise it shares the caller's group and a Ctrl-C stops it with the caller."""
     o = {"dtype": "float32", "max_model_len": 1024, "block_size": 32, "seed": 0, **(options or {})}
     port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
@@ -88,7 +90,8 @@ def start_server(model: str, log_path: Path, options: dict | None = None, timeou
             "--port", str(port), "--dtype", str(o["dtype"]), "--max-model-len", str(o["max_model_len"]),
             "--block-size", str(o["block_size"]), "--seed", str(o["seed"]), "--max-logprobs", "512",
             *(["--enforce-eager"] if eager else [])]
-    proc = subprocess.Popen(argv, env=env, stdout=log_path.open("w"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(argv, env=env, stdout=log_path.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=own_group)
     base = f"http://127.0.0.1:{port}/v1"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -46,6 +46,9 @@ CONFIGS = (
     ("kernelshap B128", "kernelshap", 128, {}),
     ("leverage B128", "leverage", 128, {}),
     ("contextcite B128", "contextcite", 128, {}),
+    ("screened, no budget", "screened", 0, {}),
+    ("screened B150", "screened", 150, {}),
+    ("screened B128", "screened", 128, {}),
     ("adaptive B64", "adaptive", 64, {}),
     ("permutation B64", "permutation", 64, {}),
     ("leverage B64", "leverage", 64, {}),
@@ -113,10 +116,14 @@ def main() -> None:
     ap.add_argument("--tune", default="conv-26,conv-30", help="conversations the settings were chosen on")
     ap.add_argument("--held-out", default="conv-41,conv-44,conv-47", help="conversations not used for tuning")
     ap.add_argument("--seeds", type=int, default=2, help="replays per case (case seed shifted by 0..seeds-1)")
-    ap.add_argument("--configs", default="", help="comma-separated labels to run (default: all)")
+    ap.add_argument("--configs", default="", help="labels to run, separated by ; (labels hold commas)")
+    ap.add_argument("--per-conversation", action="store_true",
+                    help="one table per conversation (a mean over a subset can hide a conversation that misses)")
     ap.add_argument("--out", default="bench_adaptive")
     args = ap.parse_args()
     subsets = {"tuned": args.tune.split(","), "held-out": args.held_out.split(",")}
+    if args.per_conversation:
+        subsets = {c: [c] for c in [*subsets["tuned"], *subsets["held-out"]] if c}
     tables_dir, out = Path(args.tables), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cases: dict[str, list[Table]] = {}
@@ -128,7 +135,7 @@ def main() -> None:
                 exact_tables(args.locomo, c, tables_dir / c)
                 print(f"exact tables {c}: {time.perf_counter() - t0:.0f} s", flush=True)
             cases[name] += [t for t in load_tables(tables_dir / c) if t.k == 10]
-    wanted = set(args.configs.split(",")) if args.configs else None
+    wanted = set(args.configs.split(";")) if args.configs else None
     configs = [c for c in CONFIGS if wanted is None or c[0] in wanted]
     results = []
     for name, tabs in cases.items():

@@ -122,13 +122,16 @@ def plan_estimator(plan: GamePlan, tau: float, z: float) -> tuple[Estimator, int
         opts = {"permutations": plan.budget}
     elif est == "adaptive":
         opts = {"tau": tau, "z": z, "cap": plan.budget, "round_size": plan.round_size, "prior": plan.prior}
+    elif est == "screened":
+        opts = {"tau": tau}  # its relevance and explanation tolerance default to the harm threshold
     elif est in SURROGATES:
         opts = {"seed": plan.seed}
     estimator = get_estimator(est, **opts)
     if plan.eval_budget:
         budget = split_budget(plan.eval_budget, k)
         return estimator, budget if estimator.anchors else max(budget - (k + 1), 1)
-    return estimator, 1 << k if est in ("exact", "permutation", "antithetic", "adaptive") else min(
+    # screened bounds itself (anchors, its screen and at most 2^(max_relevant + grow) coalitions)
+    return estimator, 1 << k if est in ("exact", "permutation", "antithetic", "adaptive", "screened") else min(
         sampled_touch_bound(k, plan.budget), 1 << k)
 
 

@@ -330,7 +330,8 @@ def _estimate(name: str, k: int, ev: CachedOracle, budget: int, seed: int, tau: 
     (adaptive stops on separation from -tau; a surrogate's trees take the case seed, its masks come from the rng)."""
     from pipeline.game.estimators import get_estimator
 
-    options = {"tau": tau} if name == "adaptive" else {"seed": seed} if name in BASELINE_ESTIMATORS else {}
+    tau_first = ("adaptive", "screened")
+    options = {"tau": tau} if name in tau_first else {"seed": seed} if name in BASELINE_ESTIMATORS else {}
     attr = get_estimator(name, **options).estimate(OracleGame(k, ev), budget, np.random.default_rng(seed))
     return np.asarray(attr.values, dtype=np.float64)
 

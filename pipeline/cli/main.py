@@ -96,7 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Shapley estimator (auto: exact for small K; with --budget, exact if 2^K fits, else the "
                         "measured best sampled one); adaptive: antithetic permutation pairs in rounds until every "
                         "Shapley value is "
-                        "separated from -tau (|phi+tau| > z*SE), at most --permutations (even)")
+                        "separated from -tau (|phi+tau| > z*SE), at most --permutations (even); screened: a screen of "
+                        "12 permutations, then exact enumeration of the memories that matter, checked against every "
+                        "evaluated coalition (docs/benchmark.md)")
     a.add_argument("--budget", type=_count_or_text, default=d.budget,
                    help="distinct agent evaluations per query, clearance checks included (0: none; at least K+2); "
                         "every estimator stays within it, clearances/ `evaluations` says what each query spent")

@@ -487,7 +487,7 @@ _REGISTRY: dict[str, Callable[..., _Base]] = {
     "kernelshap": KernelSHAP,
     "leverage": LeverageSHAP,
 }
-ESTIMATOR_NAMES: tuple[str, ...] = tuple(_REGISTRY) + ("contextcite", "proxyspex")
+ESTIMATOR_NAMES: tuple[str, ...] = tuple(_REGISTRY) + ("screened", "contextcite", "proxyspex")  # + the registered ones
 SURROGATES = ("contextcite", "proxyspex")  # baselines behind the same contract (pipeline.game.surrogates)
 
 

