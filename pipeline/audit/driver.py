@@ -32,6 +32,7 @@ from pipeline.core.validation import fingerprint
 from pipeline.exec.pools import WorkerPool
 from pipeline.exec.prefetch import Prefetch
 from pipeline.game import make_plan
+from pipeline.game.clearance import RANKINGS, SINGLES
 from pipeline.io.records import Pool, Query
 from pipeline.retrieval.frozen import FrozenContext, Retriever
 from pipeline.store import manifest as manifests
@@ -439,6 +440,9 @@ def _manifest(result: AuditResult, config: AuditConfig, agent_fp: str, retrieval
             "evaluations_all_queries": result.total_evaluations,  # per query: clearances/ `evaluations`
             "budget_per_query": config.budget or None,
             "failed_cases": result.failed,
+            # non-empty clearances by the ranking that proposed them (clearances/ `source`, per query)
+            **{f"cleared_by_{src}": (result.summary.sources.get(src, 0) if result.summary else 0)
+               for src in (*RANKINGS, SINGLES)},
         },
         timings=result.timings,
         utilities=store | {"complete": True},

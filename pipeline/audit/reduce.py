@@ -18,11 +18,20 @@ from pipeline.game import (
     select_clearance,
 )
 from pipeline.game.adaptive import DEFAULT_Z
-from pipeline.game.clearance import Clearance
+from pipeline.game.clearance import (
+    Candidate,
+    Clearance,
+    affordable,
+    candidate_family,
+    kept_coalitions,
+    select_best,
+    verification_rankings,
+)
 from pipeline.game.estimators import (
     SURROGATES,
     Estimator,
     EstimatorRun,
+    clearance_reserve,
     get_estimator,
     split_budget,
 )
@@ -44,6 +53,9 @@ class CaseState:
     plan: GamePlan
     tau: float = 0.0  # the harm threshold (the adaptive estimator's stopping rule needs it)
     z: float = DEFAULT_Z
+    # the rankings the clearance draws candidates from (pipeline.game.clearance.clearance_rankings): ("shapley",) is
+    # the paper's one nested chain; more add their prefixes and every single removal, inside the budget
+    rankings: tuple[str, ...] = ("shapley",)
     values: ValueTable = field(init=False)  # NaN = not evaluated
     correct: ValueTable = field(init=False)
     answers: dict[int, str] = field(default_factory=dict)  # coalition -> the agent's answer
@@ -51,6 +63,7 @@ class CaseState:
     se: np.ndarray | None = None
     ranking: np.ndarray | None = None
     clear_ranking: np.ndarray | None = None  # the ranking's prefix the clearance checks (all of it, budget allowing)
+    family: list[Candidate] | None = None  # several rankings: the candidates the clearance checks (budget allowing)
     used: int = 0  # permutations drawn (0 for exact and the regression/surrogate estimators)
     stop: str | None = None  # why the estimator stopped (pipeline.game.estimators.Attribution.stop)
     run: EstimatorRun = field(init=False, repr=False)
@@ -96,14 +109,19 @@ class CaseState:
         Values reused from an earlier run that this case did not need are not counted (they cost it nothing)."""
         used = np.union1d(self.run.values.keys, loo_coalitions(self.plan.k))
         if self.clear_ranking is not None:
-            used = np.union1d(used, clearance_coalitions(self.plan.k, self.clear_ranking))
+            used = np.union1d(used, self.clearance_coalitions())
         return int(np.count_nonzero(~np.isnan(self.values[used])))
+
+    def clearance_coalitions(self) -> np.ndarray:
+        """The kept-context coalitions of the candidates the clearance checks (after `attribute`)."""
+        if self.family is not None:
+            return kept_coalitions(self.plan.k, self.family)
+        return clearance_coalitions(self.plan.k, self.clear_ranking)
 
     @property
     def complete(self) -> bool:
         """Attributed, and every coalition its clearance needs is in: ready for `finalize`."""
-        return self.clear_ranking is not None and not len(
-            self.missing(clearance_coalitions(self.plan.k, self.clear_ranking)))
+        return self.clear_ranking is not None and not len(self.missing(self.clearance_coalitions()))
 
 
 def plan_estimator(plan: GamePlan, tau: float, z: float) -> tuple[Estimator, int]:
@@ -128,7 +146,7 @@ def plan_estimator(plan: GamePlan, tau: float, z: float) -> tuple[Estimator, int
         opts = {"seed": plan.seed}
     estimator = get_estimator(est, **opts)
     if plan.eval_budget:
-        budget = split_budget(plan.eval_budget, k)
+        budget = split_budget(plan.eval_budget, k, clearance_reserve(k, plan.eval_budget, plan.utility))
         return estimator, budget if estimator.anchors else max(budget - (k + 1), 1)
     # screened bounds itself (anchors, its screen and at most 2^(max_relevant + grow) coalitions)
     return estimator, 1 << k if est in ("exact", "permutation", "antithetic", "adaptive", "screened") else min(
@@ -167,9 +185,21 @@ def attribute(state: CaseState, tau: float) -> np.ndarray:
     plan = state.plan
     result = state.run.result()
     state.phi, state.se, state.used, state.stop = result.values, result.se, result.draws, result.stop
-    state.ranking = harmful_ranking(state.phi, tau, loo_effects(state.values))
+    loo = loo_effects(state.values)
+    state.ranking = harmful_ranking(state.phi, tau, loo)
     left = plan.eval_budget - state.evaluations  # before the clearance is set: the estimator's and LOO's spend
     state.clear_ranking = state.ranking
+    if state.rankings != ("shapley",):
+        # Several rankings (Theorem 2 holds for any family with the unchanged context): the surrogate is fitted to
+        # the coalitions this case used (what the estimator asked, and LOO), never to values reused from other
+        # runs that it did not ask, so a case's clearance does not depend on what else a --reuse folder held.
+        used = np.union1d(state.run.values.keys, loo_coalitions(plan.k))
+        used = used[~np.isnan(state.values[used])]
+        rankings = verification_rankings(plan.k, state.phi, tau, loo, used, state.values[used], state.rankings)
+        family = candidate_family(plan.k, rankings, singles=True)
+        state.family = affordable(plan.k, family, lambda m: ~np.isnan(state.values[m]),
+                                  left if plan.eval_budget else None)
+        return state.missing(state.clearance_coalitions())
     if plan.eval_budget:
         for n in range(len(state.ranking), -1, -1):
             if len(state.missing(clearance_coalitions(plan.k, state.ranking[:n]))) <= left:
@@ -243,7 +273,10 @@ def finalize(state: CaseState, run_id: str, tau: float, kappa: float) -> CaseRow
         for i in range(plan.k)
         for j in range(i + 1, plan.k)
     ]
-    result = select_clearance(plan.k, state.clear_ranking, state.values, state.correct)
+    if state.family is not None:
+        result = select_best(plan.k, state.family, state.values, state.correct)
+    else:
+        result = select_clearance(plan.k, state.clear_ranking, state.values, state.correct)
     full = (1 << plan.k) - 1
     clearance = ClearanceRow(
         run_id=run_id,
@@ -266,6 +299,7 @@ def finalize(state: CaseState, run_id: str, tau: float, kappa: float) -> CaseRow
         candidates=result.candidates,
         evaluations=state.evaluations,
         estimator=plan.estimator,
+        source=result.source,
     )
     return CaseRows(attributions, interactions, clearance, result)
 
@@ -279,6 +313,7 @@ class ClearanceSummary:
     recovered: int = 0
     unrecovered: dict[str, int] = field(default_factory=dict)  # reason -> count
     improved: int = 0  # answered right already, and the clearance raised the utility
+    sources: dict[str, int] = field(default_factory=dict)  # ranking -> clearances it proposed (non-empty ones)
     rows: list[ClearanceRow] = field(default_factory=list)
     _kept: dict[str, int] = field(default_factory=dict, repr=False)
 
@@ -291,6 +326,8 @@ class ClearanceSummary:
             self.unrecovered[reason] = self.unrecovered.get(reason, 0) + 1
         elif kind == "improved":
             self.improved += 1
+        if row.cleared:
+            self.sources[row.source] = self.sources.get(row.source, 0) + 1
         if self._kept.get(kind, 0) < self.limit:
             self._kept[kind] = self._kept.get(kind, 0) + 1
             self.rows.append(row)

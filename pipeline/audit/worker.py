@@ -33,6 +33,7 @@ from pipeline.core.errors import (
 )
 from pipeline.core.text import gold_index
 from pipeline.game import GamePlan
+from pipeline.game.clearance import clearance_rankings
 from pipeline.game.plan import popcount
 from pipeline.store.rows import (
     AttributionRow,
@@ -355,7 +356,7 @@ def run_cases(agent: Agent, tasks: list[CaseTask], s: CaseSettings) -> CasesDone
     reused makes no agent call and is only reduced here."""
     states: dict[int, CaseState] = {}
     for t in tasks:
-        st = CaseState(t.case, t.plan, s.tau, s.adaptive_z)
+        st = CaseState(t.case, t.plan, s.tau, s.adaptive_z, clearance_rankings(s.utility, bool(t.plan.eval_budget)))
         if t.reused is not None:
             st.record(*t.reused)
         states[t.case_index] = st

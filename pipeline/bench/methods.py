@@ -289,28 +289,40 @@ def budgeted(method: Method, k: int, ev: CachedOracle, seed: int, tau: float) ->
     return _ranked(k, values, ev, tau, name, seed, budget=method.evals)
 
 
-def shipped(method: Method, k: int, ev: CachedOracle, seed: int, tau: float, utility: str) -> Outcome:
+def shipped(method: Method, k: int, ev: CachedOracle, seed: int, tau: float, utility: str,
+            reserve: int | None = None) -> Outcome:
     """What `meclear audit --budget B` ships (`auto_b<B>`): the `auto` estimator for this K, budget and utility mode
-    on the attribution part of B, then the verified clearance over several rankings (Shapley, the free sparse
-    surrogate, LOO, single removals: `pipeline.game.clearance.candidate_family`) on what is left. Its rankings are those
-    of the ranking whose candidate was chosen (Shapley's when none was)."""
+    on the attribution part of B, then the verified clearance on what is left: in `correct` mode over several
+    rankings (Shapley, the free sparse surrogate, LOO, single removals: `pipeline.game.clearance.candidate_family`),
+    in `probability` mode over the Shapley chain alone (`clearance_rankings`). Its rankings are those of the ranking
+    whose candidate was chosen (Shapley's when none was). `reserve`: evaluations kept back from the estimator for
+    the clearance (None: the audit's, `clearance_reserve`); jobs/bench_split.py measures it."""
     from pipeline.game.clearance import affordable as fits
-    from pipeline.game.clearance import candidate_family, kept_coalitions, select_best, verification_rankings
-    from pipeline.game.estimators import split_budget
+    from pipeline.game.clearance import (
+        candidate_family,
+        clearance_rankings,
+        kept_coalitions,
+        select_best,
+        verification_rankings,
+    )
+    from pipeline.game.estimators import clearance_reserve, split_budget
     from pipeline.game.linear import surrogate_scores
     from pipeline.game.plan import auto_estimator
 
     budget = int(method.evals)
     name = auto_estimator(k, budget, utility)
-    phi = _estimate(name, k, ev, split_budget(budget, k), seed, tau)
+    if reserve is None:
+        reserve = clearance_reserve(k, budget, utility)
+    phi = _estimate(name, k, ev, split_budget(budget, k, reserve), seed, tau)
     anchors = loo_coalitions(k)
     loo_scores = None
     if ev.seen(anchors).all():
         util, _ = ev(anchors)
         loo_scores = util[0] - util[1:]
     masks, vals = ev.evaluated()
-    rankings = verification_rankings(k, phi, tau, loo_scores, masks, vals)
-    family = fits(k, candidate_family(k, rankings, singles=loo_scores is not None), ev.seen,
+    sources = clearance_rankings(utility, budgeted=True)  # the audit's rule: several rankings in `correct` mode only
+    rankings = verification_rankings(k, phi, tau, loo_scores, masks, vals, sources)
+    family = fits(k, candidate_family(k, rankings, singles=len(sources) > 1 and loo_scores is not None), ev.seen,
                   budget - ev.evaluations)
     kept = kept_coalitions(k, family)
     util, ok = ev(kept)

@@ -31,6 +31,21 @@ SINGLES = "single"  # every one-memory removal: free, its coalition is an LOO an
 UNCHANGED = "unchanged"
 
 
+def clearance_rankings(utility: str, budgeted: bool) -> tuple[str, ...]:
+    """The rankings the audit's clearance draws candidates from, by utility mode (measured: docs/method.md "Verified
+    clearance over several rankings"; reader, K=10, all ten conversations, 478 FI-LoCoMo cases).
+
+    `correct` under a budget: all of RANKINGS plus single removals. The gains are {0, 1} steps, so every admissible
+    candidate has the same gain and Theorem 2's rule picks the smallest: more candidates can only find a smaller or
+    a recovering one (+3.1 pp recovery and +1.9 pp exact-set match over the Shapley chain at B=128, +4.1 / +1.2 pp at
+    B=64). `probability`: the Shapley chain alone. Gains are continuous there, and "largest gain first" prefers a
+    larger set from another ranking that adds a little utility (-12.5 pp exact-set match at B=64). Without a budget
+    (the paper's settings) the chain alone too, so those runs stay what the paper describes."""
+    if utility == "correct" and budgeted:
+        return RANKINGS
+    return ("shapley",)
+
+
 def harmful_ranking(phi: np.ndarray, tau: float, loo: np.ndarray | None = None) -> np.ndarray:
     """Positions with phi < -tau, most harmful first; ties broken by LOO (more negative first), then position."""
     phi = np.asarray(phi, dtype=float)

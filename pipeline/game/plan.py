@@ -29,7 +29,14 @@ DEFAULT_PERMUTATIONS = 16  # permutation budget L: the audit's default, and the 
 # 95.8-97.9% of harmful sets equal to exact; L=64 agreed in 89-96%. A cap is only reached by undecided cases.
 ADAPTIVE_CAP = 96
 ADAPTIVE_ROUND = 8  # permutations per round of the adaptive estimator (and the fewest it ever stops at)
-MAX_PLAYERS = 20  # exact value tables are dense arrays of 2^K floats: 8 MiB at K=20
+# Coalitions are int64 bitmasks (bit i = memory i kept): in Arrow/Parquet, numpy and the sparse tables alike. A
+# signed 64-bit mask holds 63 players with every mask non-negative (sorting, `searchsorted`, `bitwise_count` and
+# range checks all assume that), so K tops out at 63 under a sampled estimator. Agents retrieve 20-50 memories; a
+# 64th would need unsigned masks in every stored run, for one player. Nothing allocates 2^K under a sampled plan:
+# value tables are sparse (pipeline.game.sparse), and the clearance's candidates are K+1 nested sets.
+MAX_PLAYERS = 63
+# Exact enumeration keeps dense tables of 2^K floats (8 MiB at K=20, and 2^(K-1) rows per player in the index).
+MAX_EXACT_PLAYERS = 20
 
 
 class BudgetError(ConfigError):
@@ -97,6 +104,7 @@ class GamePlan:
     coalitions: np.ndarray  # sorted, unique int64 masks (adaptive: the first round's only)
     round_size: int = 0  # adaptive: permutations per round; 0 otherwise
     eval_budget: int = 0  # distinct agent evaluations per query, clearance checks included; 0 = none (L decides)
+    utility: str = "probability"  # the utility mode: it sets the clearance's share of eval_budget (clearance_reserve)
     prior: float = 0.0  # adaptive: variance pseudo-draws (pipeline.game.estimators.Adaptive)
 
     def round_coalitions(self, used: int) -> np.ndarray:
@@ -128,13 +136,19 @@ class GamePlan:
 # buys fewer than K samples beyond the K+2 anchors and the clearance's reserve (N < 2K + 4: K=10 B=16, K=20 B=32) both
 # are LOO in effect and the mean was level or ahead on exact-set match (SmolLM2 K=10 B=16: -3.7 [-10.8, +0.0] for
 # kernelshap; reader K=10 B=16: -0.4 [-2.9, +1.9]; reader K=20 B=32: -1.0 [-3.2, +1.0], though kernelshap recovered
-# 3-5 pp more there), so auto keeps the mean there.
+# 3-5 pp more there), so auto keeps the mean there, up to K=20. Above K=20 it does not: the mean under a budget draws
+# only whole permutations (K-1 new coalitions each), so at K=32 and B=64 it spends 35 of 64 evaluations (LOO and one
+# permutation), and kernelshap, which spends them all, was ahead on every measure (reader, K=32, all ten
+# conversations, 496 FI-LoCoMo cases, `correct`, paired: recovery +6.7 pp [+3.7, +10.2], Recall@|M| +9.9
+# [+5.7, +13.7], exact-set match +1.0 [-1.4, +3.5]; docs/benchmark.md "K=32").
 AUTO_SAMPLED = {"probability": "kernelshap", "correct": "kernelshap"}
+FEW_SAMPLES_MAX_K = 20  # the largest K where the permutation mean was measured level or ahead with few samples
 
 
 def few_samples(k: int, budget: int) -> bool:
-    """Whether `budget` buys fewer than K coalitions beyond the K+2 anchors and the clearance's reserve of 2."""
-    return budget < 2 * k + 4
+    """Whether `budget` buys fewer than K coalitions beyond the K+2 anchors and the clearance's reserve of 2, at a K
+    where that makes the permutation mean the better choice (K <= FEW_SAMPLES_MAX_K; see above)."""
+    return k <= FEW_SAMPLES_MAX_K and budget < 2 * k + 4
 
 
 ADAPTIVE_PRIOR = 0.0  # adaptive: variance pseudo-draws by default (pipeline.game.estimators.Adaptive)
@@ -143,7 +157,7 @@ ADAPTIVE_PRIOR = 0.0  # adaptive: variance pseudo-draws by default (pipeline.gam
 def auto_estimator(k: int, budget: int, utility: str = "probability") -> str:
     """`--estimator auto` under a budget: exact when all 2^K coalitions fit, else the sampled estimator measured best
     for this utility mode, K and budget (see AUTO_SAMPLED and `few_samples` above)."""
-    if budget >= 1 << k:
+    if budget >= 1 << k and k <= MAX_EXACT_PLAYERS:
         return "exact"
     if utility == "correct" and few_samples(k, budget):
         return "permutation"
@@ -178,11 +192,14 @@ def make_plan(
         check_budget(budget, k)
         if estimator == "auto":
             estimator = auto_estimator(k, budget, utility)
-        if estimator == "exact" and budget < 1 << k:
+        if estimator == "exact" and budget < 1 << k and k <= MAX_EXACT_PLAYERS:
             raise ConfigError(f"game plan: estimator 'exact' at K={k} needs 2^{k} = {1 << k:,} evaluations; "
                               f"budget={budget:,} (use 'auto' or a sampled estimator, or raise the budget)")
     if estimator == "auto":
         estimator = "exact" if 2**k <= sampled_touch_bound(k, permutations) else "permutation"
+    if estimator == "exact" and k > MAX_EXACT_PLAYERS:
+        raise ConfigError(f"game plan: estimator 'exact' at K={k}: exact enumeration is capped at "
+                          f"K={MAX_EXACT_PLAYERS} (2^K coalitions); use 'auto' or a sampled estimator with a budget")
     if estimator == "antithetic":
         antithetic = True
     if estimator == "adaptive":
@@ -190,7 +207,7 @@ def make_plan(
         if round_size < 2 or round_size % 2 or permutations % 2:
             raise ConfigError(f"game plan: adaptive draws antithetic pairs; round_size={round_size} and "
                               f"permutations={permutations} must be even (round_size >= 2)")
-    extra = {"eval_budget": budget, "prior": prior}
+    extra = {"eval_budget": budget, "prior": prior, "utility": utility}
     if estimator == "exact":
         return GamePlan(k, estimator, permutations, antithetic, seed, np.zeros((0, k), dtype=np.int64),
                         np.arange(2**k, dtype=np.int64), **extra)

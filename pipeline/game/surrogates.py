@@ -37,7 +37,8 @@ def random_masks(k: int, n: int, rng: np.random.Generator) -> np.ndarray:
     """n coalitions, each memory kept independently with probability 1/2 (uniform over all 2^K coalitions)."""
     if n < 1:
         raise SurrogateError(f"number of random masks n={n}; must be >= 1")
-    return rng.integers(0, 1 << k, size=n, dtype=np.int64)
+    # endpoint=True: at K=63 the exclusive bound 2^63 is not an int64
+    return rng.integers(0, (1 << k) - 1, size=n, dtype=np.int64, endpoint=True)
 
 
 def keep_indicators(masks: np.ndarray, k: int) -> np.ndarray:
@@ -131,10 +132,7 @@ def tree_fourier(tree: object) -> dict[int, float]:
 def fourier_basis(masks: np.ndarray, support: np.ndarray) -> np.ndarray:
     """(n, |support|) matrix of chi_T(x) for coalitions `masks` and frequency sets `support` (both bitmasks)."""
     overlap = np.asarray(masks, dtype=np.int64)[:, None] & np.asarray(support, dtype=np.int64)[None, :]
-    parity = np.zeros(overlap.shape, dtype=np.int64)
-    for b in range(MAX_PLAYERS):
-        parity ^= (overlap >> b) & 1
-    return 1.0 - 2.0 * parity
+    return 1.0 - 2.0 * (np.bitwise_count(overlap) & 1)
 
 
 def fourier_shapley(coeffs: dict[int, float], k: int) -> np.ndarray:

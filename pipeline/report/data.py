@@ -172,10 +172,17 @@ def query_records(run: Run) -> list[dict]:
         full = (1 << k) - 1
         cases = util.get(key, {})
         cands = []
+        cleared = set(row["cleared"])
         for n, removed in enumerate(nested_removals(np.array(ranked, dtype=np.int64)).tolist()):
             u, ok, ans = cases.get(full & ~removed, (None, None, None))
             cands.append({"removed": [ids[p] for p in ranked[:n]], "utility": u, "correct": ok, "answer": ans,
-                          "chosen": len(row["cleared"]) == n})
+                          "chosen": set(ids[p] for p in ranked[:n]) == cleared, "source": "shapley"})
+        source = row.get("source") or "shapley"  # null in parts written before the column
+        if not any(c["chosen"] for c in cands):  # proposed by another ranking (pipeline.game.clearance)
+            pos = {m: p for p, m in enumerate(ids)}
+            u, ok, ans = cases.get(full & ~sum(1 << pos[m] for m in row["cleared"] if m in pos), (None, None, None))
+            cands.append({"removed": list(row["cleared"]), "utility": u, "correct": ok, "answer": ans,
+                          "chosen": True, "source": source})
         records.append({
             "pool": row["pool_id"], "query": row["query_id"], "question": row["question"] or "",
             "gold": row["gold"] or "", "options": row["options"] or [],
@@ -185,6 +192,7 @@ def query_records(run: Run) -> list[dict]:
             "recovered": row["recovered"] if not row["baseline_correct"] else None,
             "reason": row["reason"], "cleared": list(row["cleared"]), "harmful": row["harmful"],
             "evaluations": row["evaluations"], "estimator": row["estimator"], "status": _status(row),
+            "source": source,
             "tau": tau,
             "memories": [
                 {"id": ids[p], "text": texts[p] or "", "loo": a["loo"][p], "shapley": a["shapley"][p],

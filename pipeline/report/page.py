@@ -104,9 +104,10 @@ async function show(i, push){
   if (q.figure) { fig.innerHTML = await unpack(q.figure); }  // matplotlib SVG, labels escaped by matplotlib
   else fig.appendChild(el('p', 'No figure for this query (no harmful memory; the values are in the table above).', 'muted'));
   body.appendChild(el('h3', 'Nested clearance candidates (most harmful first)'));
-  body.appendChild(table(['removed', 'utility', 'answer', 'gold answer?', 'chosen'],
+  body.appendChild(table(['removed', 'utility', 'answer', 'gold answer?', 'chosen', 'ranking'],
     q.candidates.map(c => ({cls: c.chosen ? 'chosen' : '', cells: [c.removed.length ? c.removed.join(', ') : '(nothing)',
-      c.utility, c.answer, c.correct === null ? '' : (c.correct ? 'yes' : 'no'), c.chosen ? '✔ chosen' : '']}))));
+      c.utility, c.answer, c.correct === null ? '' : (c.correct ? 'yes' : 'no'), c.chosen ? '✔ chosen' : '',
+      c.source || '']}))));
   document.body.dataset.detail = q.pool + '/' + q.query;
 }
 render();

@@ -49,8 +49,16 @@ def damage(path: Path) -> str | None:
     return None
 
 
+def _added(schema: pa.Schema) -> tuple[str, ...]:
+    """The columns of `schema` an older part of schema version 1 may lack (pipeline.store.schemas.ADDED_COLUMNS)."""
+    from pipeline.store.schemas import ADDED_COLUMNS, DATASETS
+
+    return next((ADDED_COLUMNS.get(name, ()) for name, s in DATASETS.items() if s.equals(schema)), ())
+
+
 def check_schema(path: Path, schema: pa.Schema) -> None:
-    """One line (SchemaVersionError) if part `path` is not of this meclear's schema for its dataset."""
+    """One line (SchemaVersionError) if part `path` is not of this meclear's schema for its dataset. A column added
+    within this schema version (`_added`) may be absent: readers fill it with nulls."""
     got = pq.read_schema(path)
     raw = (got.metadata or {}).get(VERSION_KEY)
     version = raw.decode() if raw else "unrecorded"
@@ -59,12 +67,13 @@ def check_schema(path: Path, schema: pa.Schema) -> None:
                                  f"{SCHEMA_VERSION}; use the meclear that wrote it, or another folder")
     # every missing column before any retyped one: a part rewritten without a column (by polars, whose strings are
     # large_string) is named by the column it lacks
-    missing = [f.name for f in schema if f.name not in got.names]
+    optional = _added(schema)
+    missing = [f.name for f in schema if f.name not in got.names and f.name not in optional]
     if missing:
         raise SchemaVersionError(f"{path}: no column '{missing[0]}' (schema version {version}; this meclear reads "
                                  f"version {SCHEMA_VERSION})")
     for f in schema:
-        if not got.field(f.name).type.equals(f.type):
+        if f.name in got.names and not got.field(f.name).type.equals(f.type):
             raise SchemaVersionError(f"{path}: column '{f.name}' is {got.field(f.name).type}, expected {f.type} "
                                      f"(schema version {version}; this meclear reads version {SCHEMA_VERSION})")
 
@@ -127,4 +136,15 @@ def read_dataset(folder: Path, name: str, schema: pa.Schema):
             raise InputError(p, "", None, f"damaged part ({why}); rerun `meclear audit --out {folder}` to set it "
                                           "aside and evaluate it again")
         check_schema(p, schema)
+    optional = _added(schema)
+    if optional and any(not set(optional) <= set(pq.read_schema(p).names) for p in files):
+        # a run resumed across the column's addition: older parts get it as nulls, every part the same columns
+        return pl.from_arrow(pa.concat_tables([with_columns(pq.read_table(p), schema) for p in files]))
     return pl.read_parquet(files, glob=False)  # literal paths: a '[' or '*' in --out is a name, not a pattern
+
+
+def with_columns(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """`table` with every column of `schema`, in its order: a column it lacks (one added later) as nulls."""
+    cols = [table.column(f.name) if f.name in table.column_names else pa.nulls(table.num_rows, f.type)
+            for f in schema]
+    return pa.Table.from_arrays(cols, schema=schema)

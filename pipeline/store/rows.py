@@ -111,6 +111,7 @@ class ClearanceRow(_Row):
     candidates: int
     evaluations: int
     estimator: str
+    source: str = "shapley"  # the ranking whose candidate was chosen; "unchanged" when nothing was cleared
 
 
 @dataclass(frozen=True)

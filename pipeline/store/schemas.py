@@ -101,6 +101,9 @@ CLEARANCES = pa.schema(
         ("candidates", pa.int32()),  # |H| + 1 nested candidates checked
         ("evaluations", pa.int32()),  # distinct coalitions evaluated for the case
         ("estimator", pa.string()),
+        # the ranking that proposed the chosen candidate (pipeline.game.clearance): shapley | surrogate | loo |
+        # single | unchanged (nothing cleared); null in parts written before the column existed
+        ("source", pa.string()),
     ]
 )
 
@@ -117,6 +120,11 @@ ERRORS = pa.schema(
     ]
 )
 UTILITY_KEY = ("pool_id", "query_id", "context_hash", "coalition", "agent", "utility_mode")
+
+# Columns added within schema version 1, at the end of their dataset: a part written before one existed lacks it, and
+# readers fill it with nulls (`pipeline.store.parts`), so an older run folder still resumes, reports and serves as
+# `--previous`. Anything else missing or retyped is a SchemaVersionError.
+ADDED_COLUMNS: dict[str, tuple[str, ...]] = {"clearances": ("source",)}
 
 DATASETS: dict[str, pa.Schema] = {
     "contexts": CONTEXTS,

@@ -39,7 +39,7 @@ RULE_FUNCTIONS = {"check_tau", "check_kappa", "check_top_k", "check_permutations
 BAD = {
     "tau": [math.nan, math.inf, -math.inf, -0.1, True, "0.1", None],
     "kappa": [math.nan, math.inf, -1.0, False, "x"],
-    "top_k": [0, 21, True, 2.0, math.nan],
+    "top_k": [0, 64, True, 2.0, math.nan],
     "permutations": [-1, MAX_PERMUTATIONS + 1, True, 1.5, math.inf],
     "utility": ["prob", "", None, 1],
     "seed": [-5, 2**63, True, 1.0, math.nan],
@@ -123,6 +123,6 @@ def test_every_holder_refuses_what_the_rule_refuses_with_the_same_words(name, va
 def test_the_rules_accept_the_defaults_and_the_bounds():
     for cfg in (AuditConfig(), EvalConfig(locomo="x"), MethodConfig()):
         assert cfg.tau == 0.05 and cfg.kappa == 0.05
-    AuditConfig(seed=2**63 - 1, tau=0.0, kappa=0, permutations=MAX_PERMUTATIONS, top_k=20, estimator="permutation")
+    AuditConfig(seed=2**63 - 1, tau=0.0, kappa=0, permutations=MAX_PERMUTATIONS, top_k=63, estimator="permutation")
     EvalConfig(locomo="x", seed=0, budgets=(1, MAX_PERMUTATIONS), utility=("correct",), top_k=2)
     assert AuditConfig(permutations=0).permutations == 16  # 0: the estimator's default, resolved at construction

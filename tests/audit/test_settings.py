@@ -65,7 +65,7 @@ def test_shared_settings_are_declared_and_checked_once():
         AuditConfig(dense="sometimes")
     with pytest.raises(ConfigError, match=r"eval config: dense='sometimes'; allowed 'auto', 'on', 'off'"):
         EvalConfig(locomo="x", dense="sometimes")
-    with pytest.raises(ConfigError, match=r"eval config: top_k=1; allowed 2\.\.20"):
+    with pytest.raises(ConfigError, match=r"eval config: top_k=1; allowed 2\.\.63"):
         EvalConfig(locomo="x", top_k=1)
 
 

@@ -114,3 +114,23 @@ def test_verification_rankings_find_a_harmful_memory_each() -> None:
     loo = values[full] - values[[full & ~(1 << i) for i in range(k)]]
     got = dict(verification_rankings(k, phi, 0.05, loo, masks, values))
     assert {name: r.tolist() for name, r in got.items()} == {"shapley": [2], "surrogate": [2], "loo": [2]}
+
+
+def test_the_clearance_share_of_the_budget_by_mode() -> None:
+    """`correct` keeps min(K-2, B//8) back for the several-ranking clearance, `probability` the constant 2; the
+    estimator never gets fewer than the K+2 anchors, and the split never keeps back more than K-2."""
+    from pipeline.game.estimators import CLEARANCE_RESERVE, clearance_reserve, split_budget
+    from pipeline.game.plan import min_budget
+
+    assert clearance_reserve(10, 64, "correct") == 8 and clearance_reserve(10, 128, "correct") == 8
+    assert clearance_reserve(20, 64, "correct") == 8 and clearance_reserve(20, 128, "correct") == 16
+    assert clearance_reserve(20, 256, "correct") == 18 and clearance_reserve(32, 256, "correct") == 30
+    assert clearance_reserve(20, 256, "probability") == CLEARANCE_RESERVE == 2
+    assert clearance_reserve(10, 16, "correct") == 2  # B//8 below the constant: the constant
+    for k in (2, 3, 5, 10, 20, 32):
+        for b in (min_budget(k), min_budget(k) + 1, 2 * k + 4, 64, 128, 256):
+            for mode in ("correct", "probability"):
+                spent = split_budget(b, k, clearance_reserve(k, b, mode))
+                assert min_budget(k) <= spent <= b and b - spent <= max(k - 2, 0)
+    assert split_budget(64, 10, clearance_reserve(10, 64, "correct")) == 56
+    assert split_budget(64, 10, clearance_reserve(10, 64, "probability")) == 62

@@ -90,8 +90,8 @@ def test_cli_bad_input_exits_2_and_writes_nothing(tmp_path, capsys):
 
 def test_cli_rejects_bad_settings_before_writing(tmp_path, capsys):
     out = tmp_path / "out"
-    assert main(["audit", "--top-k", "40", "--out", str(out), "--executor", "local"]) == 2
-    assert "top_k=40" in capsys.readouterr().err and not out.exists()
+    assert main(["audit", "--top-k", "64", "--out", str(out), "--executor", "local"]) == 2
+    assert "top_k=64" in capsys.readouterr().err and not out.exists()
     assert main(["audit", "--agent-option", "bogus=1", "--out", str(out), "--executor", "local"]) == 2
     assert "unknown key" in capsys.readouterr().err and not out.exists()
 
