@@ -64,6 +64,7 @@ def test_every_row_names_its_ranking_and_stays_in_budget(locomo_runs):
     multi_out, chain_out = locomo_runs
     cl = pl.read_parquet(multi_out / "clearances")
     assert set(cl["source"].unique()) <= SOURCES
+    assert (cl["source"] == "surrogate").any()  # this conversation's first 60 queries have two (deterministic reader)
     assert ((cl["source"] == UNCHANGED) == (cl["cleared"].list.len() == 0)).all()
     assert (cl["evaluations"] <= 64).all()
     # the chain run never names another ranking
@@ -141,3 +142,19 @@ def test_a_part_written_before_the_source_column_still_reads(tmp_path):
     bad = write_part(old.drop_columns(["gain"]), tmp_path / "bad", prefix="part-bad")
     with pytest.raises(SchemaVersionError, match="no column 'gain'"):
         parts.check_schema(bad, CLEARANCES)
+
+
+def test_the_report_shows_the_chosen_candidate_of_any_ranking(locomo_runs):
+    """The report's candidate table lists the Shapley chain; a clearance another ranking proposed is added to it,
+    marked chosen and named, so every cleared query shows exactly one chosen candidate: the one in clearances/."""
+    from pipeline.report.data import load_run, query_records
+
+    multi_out, _ = locomo_runs
+    records = query_records(load_run(multi_out))
+    cleared = [r for r in records if r["cleared"]]
+    assert cleared
+    for r in cleared:
+        chosen = [c for c in r["candidates"] if c["chosen"]]
+        assert len(chosen) == 1 and sorted(chosen[0]["removed"]) == sorted(r["cleared"]), r["query"]
+        assert chosen[0]["source"] == r["source"] and chosen[0]["correct"] is True
+        assert chosen[0]["utility"] == pytest.approx(r["cleared_utility"])
