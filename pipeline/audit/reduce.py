@@ -107,10 +107,14 @@ class CaseState:
     def evaluations(self) -> int:
         """Distinct coalitions this case used: what the estimator asked, LOO and the clearance's candidates so far.
         Values reused from an earlier run that this case did not need are not counted (they cost it nothing)."""
-        used = np.union1d(self.run.values.keys, loo_coalitions(self.plan.k))
+        used = self.asked()
         if self.clear_ranking is not None:
             used = np.union1d(used, self.clearance_coalitions())
         return int(np.count_nonzero(~np.isnan(self.values[used])))
+
+    def asked(self) -> np.ndarray:
+        """The coalitions this case's attribution asked for: the estimator's and LOO's (not values merely reused)."""
+        return np.union1d(self.run.values.keys, loo_coalitions(self.plan.k))
 
     def clearance_coalitions(self) -> np.ndarray:
         """The kept-context coalitions of the candidates the clearance checks (after `attribute`)."""
@@ -193,7 +197,7 @@ def attribute(state: CaseState, tau: float) -> np.ndarray:
         # Several rankings (Theorem 2 holds for any family with the unchanged context): the surrogate is fitted to
         # the coalitions this case used (what the estimator asked, and LOO), never to values reused from other
         # runs that it did not ask, so a case's clearance does not depend on what else a --reuse folder held.
-        used = np.union1d(state.run.values.keys, loo_coalitions(plan.k))
+        used = state.asked()
         used = used[~np.isnan(state.values[used])]
         rankings = verification_rankings(plan.k, state.phi, tau, loo, used, state.values[used], state.rankings)
         family = candidate_family(plan.k, rankings, singles=True)
