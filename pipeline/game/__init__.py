@@ -1,5 +1,6 @@
 """The cooperative-game core: pure numpy over int64 coalition bitmasks (bit i = context position i). No Ray here."""
 
+import pipeline.game.adjusted  # noqa: E402,F401  (registers adjusted with the estimator registry)
 import pipeline.game.screened  # noqa: E402,F401  (registers screened with the estimator registry)
 import pipeline.game.surrogates  # noqa: E402,F401  (registers contextcite and proxyspex with the estimator registry)
 from pipeline.game.adaptive import stop_reason

@@ -21,8 +21,9 @@ import numpy as np
 
 from pipeline.core.errors import ConfigError
 
+# "auto" and the contract's names (pipeline.game.estimators.ESTIMATOR_NAMES)
 ESTIMATORS = ("auto", "exact", "permutation", "antithetic", "adaptive", "kernelshap", "leverage", "screened",
-              "contextcite", "proxyspex")  # "auto" and the contract's names (pipeline.game.estimators.ESTIMATOR_NAMES)
+              "adjusted", "sparseshap", "contextcite", "proxyspex")
 DEFAULT_PERMUTATIONS = 16  # permutation budget L: the audit's default, and the adaptive estimator's default cap
 # The adaptive estimator's cap when none is given: measured at K=10 on three disjoint 96-query LoCoMo subsets
 # (jobs/bench_adaptive.py, README "Adaptive estimator"), L=96 stops after 112-134 evaluations per case on average with
@@ -141,7 +142,24 @@ class GamePlan:
 # permutation), and kernelshap, which spends them all, was ahead on every measure (reader, K=32, all ten
 # conversations, 496 FI-LoCoMo cases, `correct`, paired: recovery +6.7 pp [+3.7, +10.2], Recall@|M| +9.9
 # [+5.7, +13.7], exact-set match +1.0 [-1.4, +3.5]; docs/benchmark.md "K=32").
+#
+# Issue 30 item 2: below a quarter of the game (B < 2^K / 4, so always from K=13 on) `auto` takes `sparseshap`, the
+# Shapley values of a sparse order-2 surrogate fitted to the anchors and paired coalitions drawn with each memory kept
+# with probability 1/2 (pipeline.game.adjusted). Tuned on conv-26 and conv-30 (reader, B=64-256), then measured on all
+# ten conversations against ContextCite (docs/method.md "A sparse surrogate's Shapley values"): at K=20 B=64 `correct`
+# Recall@|M| 48.2% -> 73.4% on the tuned pair (ContextCite 79.9%), recovery 79.0% -> 95.2%; at K=10 B=64 82.5% ->
+# 90.6% (ContextCite 92.5%). From a quarter of the table on kernelshap was level or ahead on Recall@|M| (K=10 B=256
+# `correct`: 95.0% against 93.1%) and it is consistent (exact with the whole table), so it stays there.
 AUTO_SAMPLED = {"probability": "kernelshap", "correct": "kernelshap"}
+# In `probability` mode the surrogate needs more draws per memory. On the tuned pair: at K=20 B=64 (3.2 per memory)
+# kernelshap ranked the faults better (Recall@|M| 93.5% against 86.3%, exact-set 56.5% against 61.3%), at K=32 B=64
+# (2 per memory) too (surrogate minus kernelshap, Recall@|M| -3.7 pp, exact-set +14.5); at K=32 B=128 (4 per memory)
+# the surrogate was ahead (+8.1 / +19.7 pp), at K=10 B=64 and K=20 B=128 (6.4) level on Recall@|M| and ahead on
+# exact-set. Hence 4 evaluations per memory. `correct` mode has no such floor: kernelshap's border-heavy draws were the
+# weak point there at every budget below a quarter of the game (K=32 B=64: Recall@|M| +16.1 pp for the surrogate).
+AUTO_SURROGATE = "sparseshap"
+SURROGATE_SHARE = 4  # `auto` takes AUTO_SURROGATE while budget * SURROGATE_SHARE < 2^K
+SURROGATE_PER_PLAYER = {"probability": 4, "correct": 0}  # ... and budget >= this many evaluations per memory
 FEW_SAMPLES_MAX_K = 20  # the largest K where the permutation mean was measured level or ahead with few samples
 
 
@@ -156,11 +174,14 @@ ADAPTIVE_PRIOR = 0.0  # adaptive: variance pseudo-draws by default (pipeline.gam
 
 def auto_estimator(k: int, budget: int, utility: str = "probability") -> str:
     """`--estimator auto` under a budget: exact when all 2^K coalitions fit, else the sampled estimator measured best
-    for this utility mode, K and budget (see AUTO_SAMPLED and `few_samples` above)."""
+    for this utility mode, K and budget (see AUTO_SAMPLED, AUTO_SURROGATE and `few_samples` above)."""
     if budget >= 1 << k and k <= MAX_EXACT_PLAYERS:
         return "exact"
     if utility == "correct" and few_samples(k, budget):
         return "permutation"
+    below_a_quarter = k > MAX_EXACT_PLAYERS or budget * SURROGATE_SHARE < 1 << k
+    if below_a_quarter and budget >= SURROGATE_PER_PLAYER.get(utility, 0) * k:
+        return AUTO_SURROGATE
     return AUTO_SAMPLED.get(utility, "kernelshap")
 
 

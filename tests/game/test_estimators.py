@@ -83,7 +83,7 @@ def test_exact_equals_closed_form_and_refuses_a_small_budget():
         get_estimator("exact").estimate(unanimity(6, [((0,), 1.0)])[0], 63, np.random.default_rng(0))
 
 
-@pytest.mark.parametrize("name", SAMPLED)
+@pytest.mark.parametrize("name", SAMPLED + ("adjusted", "sparseshap"))
 @pytest.mark.parametrize("budget", [12, 13, 40, 100])
 def test_budget_is_respected_counting_distinct_coalitions(name, budget):
     game, _ = unanimity(10, [((0, 1), 1.0), ((2, 5, 7), -1.0), ((9,), 0.3)])
@@ -262,14 +262,18 @@ def test_auto_under_a_budget_enumerates_when_2k_fits_else_follows_the_utility_mo
     from pipeline.game.plan import make_plan
 
     assert make_plan(10, budget=1024).estimator == "exact"
-    for k, budget in ((10, 16), (10, 32), (10, 128), (20, 32), (20, 256)):
+    # from a quarter of the game, and in `probability` mode below 4 evaluations per memory: the least-squares fit
+    for k, budget in ((10, 256), (10, 512), (10, 16), (10, 32), (20, 32), (20, 64)):
         assert make_plan(k, budget=budget, utility="probability").estimator == "kernelshap"
+    # otherwise the sparse surrogate's Shapley values (pipeline.game.adjusted; issue 30 item 2)
+    for k, budget in ((10, 64), (10, 128), (20, 128), (20, 256)):
+        assert make_plan(k, budget=budget, utility="probability").estimator == "sparseshap"
     # `correct`: the fit once the budget buys K samples beyond the anchors and the reserve (N >= 2K + 4), else the mean
     assert make_plan(10, budget=23, utility="correct").estimator == "permutation"
-    assert make_plan(10, budget=24, utility="correct").estimator == "kernelshap"
-    assert make_plan(10, budget=128, utility="correct").estimator == "kernelshap"
+    assert make_plan(10, budget=24, utility="correct").estimator == "sparseshap"
+    assert make_plan(10, budget=256, utility="correct").estimator == "kernelshap"
     assert make_plan(20, budget=32, utility="correct").estimator == "permutation"
-    assert make_plan(20, budget=64, utility="correct").estimator == "kernelshap"
+    assert make_plan(20, budget=64, utility="correct").estimator == "sparseshap"
     with pytest.raises(ConfigError, match="2\\^10"):
         make_plan(10, estimator="exact", budget=1000)
 
