@@ -179,8 +179,7 @@ def auto_estimator(k: int, budget: int, utility: str = "probability") -> str:
         return "exact"
     if utility == "correct" and few_samples(k, budget):
         return "permutation"
-    below_a_quarter = k > MAX_EXACT_PLAYERS or budget * SURROGATE_SHARE < 1 << k
-    if below_a_quarter and budget >= SURROGATE_PER_PLAYER.get(utility, 0) * k:
+    if budget * SURROGATE_SHARE < 1 << k and budget >= SURROGATE_PER_PLAYER.get(utility, 0) * k:
         return AUTO_SURROGATE
     return AUTO_SAMPLED.get(utility, "kernelshap")
 
