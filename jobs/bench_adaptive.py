@@ -37,6 +37,8 @@ MODES = ("probability", "correct")
 # (label, estimator, budget, options): the candidates compared; `budget` 0 = none (L decides, the paper's setting)
 CONFIGS = (
     ("adaptive L96, no budget", "adaptive", 0, {}),
+    ("adaptive L96 separation", "adaptive", 0, {"rule": "separation"}),
+    ("adaptive B150 separation", "adaptive", 150, {"rule": "separation"}),
     ("adaptive L96 prior=0.3", "adaptive", 0, {"prior": 0.3}),
     ("adaptive B150", "adaptive", 150, {}),
     ("adaptive B128", "adaptive", 128, {}),
@@ -102,7 +104,8 @@ def replay(t: Table, mode: str, estimator: str, budget: int, options: dict, seed
                         tuple(range(1, k + 1)), (None,) * k, "h")
     case = Case(Query(t.query_id, t.pool_id, "?", "a", ("a", "b")), ctx, seed)
     plan = make_plan(k, 96 if estimator == "adaptive" else 16, estimator, seed=seed, budget=budget,
-                     prior=options.get("prior", 0.0), utility=mode)
+                     prior=options.get("prior", 0.0), utility=mode,
+                     rule=options.get("rule", "check"))
     st = CaseState(case, plan, TAU, DEFAULT_Z)
     while (need := advance(st, TAU, DEFAULT_Z)) is not None:
         st.record(need.masks, values[need.masks], t.correct[need.masks])

@@ -246,7 +246,7 @@ class _Evaluation:
             case = Case(query, context, case_seed(c.seed, query.pool_id, query.query_id))
             ci, self.admitted = self.admitted, self.admitted + 1
             plan = make_plan(case.k, c.permutations, c.estimator, c.antithetic, case.seed, c.adaptive_round, c.budget,
-                             c.adaptive_prior, c.utility)
+                             c.adaptive_prior, c.utility, c.adaptive_rule)
             prev = self.previous.get((query.pool_id, query.query_id, context.context_hash))
             if prev is not None:
                 self.reused += len(prev[0])
@@ -285,7 +285,7 @@ class _Evaluation:
 def _plan_size(c: AuditConfig) -> int:
     """First-pass coalitions of a case with K = top_k (what sizes the window; a pool smaller than K gives less)."""
     return make_plan(c.top_k, c.permutations, c.estimator, c.antithetic, 0, c.adaptive_round, c.budget,
-                     c.adaptive_prior, c.utility).n_coalitions
+                     c.adaptive_prior, c.utility, c.adaptive_rule).n_coalitions
 
 
 def _open_run(out: Path, config: AuditConfig, agent_fp: str,

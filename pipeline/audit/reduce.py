@@ -143,7 +143,8 @@ def plan_estimator(plan: GamePlan, tau: float, z: float) -> tuple[Estimator, int
     if est in ("permutation", "antithetic") and not plan.eval_budget:
         opts = {"permutations": plan.budget}
     elif est == "adaptive":
-        opts = {"tau": tau, "z": z, "cap": plan.budget, "round_size": plan.round_size, "prior": plan.prior}
+        opts = {"tau": tau, "z": z, "cap": plan.budget, "round_size": plan.round_size, "prior": plan.prior,
+                "rule": plan.rule}
     elif est == "screened":
         opts = {"tau": tau}  # its relevance and explanation tolerance default to the harm threshold
     elif est in SURROGATES:

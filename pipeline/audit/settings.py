@@ -21,6 +21,8 @@ from pipeline.game.plan import (
     ADAPTIVE_CAP,
     ADAPTIVE_PRIOR,
     ADAPTIVE_ROUND,
+    ADAPTIVE_RULE,
+    ADAPTIVE_RULES,
     DEFAULT_PERMUTATIONS,
     ESTIMATORS,
     min_budget,
@@ -174,6 +176,7 @@ class AuditConfig(RunSettings):
     adaptive_round: int = ADAPTIVE_ROUND  # estimator "adaptive": permutations per round; `permutations` is the cap
     adaptive_z: float = DEFAULT_Z  # estimator "adaptive": stop when |phi + tau| > z * SE for every memory
     adaptive_prior: float = ADAPTIVE_PRIOR  # estimator "adaptive": variance pseudo-draws (pipeline.game.estimators)
+    adaptive_rule: str = ADAPTIVE_RULE  # estimator "adaptive": "check" (default) or "separation" (ADAPTIVE_RULES)
     # Distinct agent evaluations per query, clearance checks included (pipeline.game.estimators.split_budget); 0: no
     # budget, the paper's setting (`permutations` decides). With a budget `permutations` is only the adaptive cap.
     budget: int = 0
@@ -199,6 +202,8 @@ class AuditConfig(RunSettings):
               f"{1 << self.top_k:,} evaluations per query; raise the budget or use estimator 'auto'")
         check(isinstance(self.adaptive_prior, (int, float)) and self.adaptive_prior >= 0, w,
               f"adaptive_prior={self.adaptive_prior!r}; must be >= 0")
+        check(self.adaptive_rule in ADAPTIVE_RULES, w,
+              f"adaptive_rule={self.adaptive_rule!r}; allowed {ADAPTIVE_RULES}")
         pairs = self.antithetic or self.estimator in ("adaptive", "antithetic")  # they always draw antithetic pairs
         check(not pairs or self.permutations % 2 == 0, w,
               f"permutations={self.permutations!r}; antithetic sampling (always on with estimators 'adaptive' and "

@@ -16,7 +16,7 @@ from pipeline.core import signals
 from pipeline.core.errors import EXIT_CASE_ERRORS, EXIT_DISK_FULL, MeClearError
 from pipeline.core.text import safe
 from pipeline.core.validation import key_values
-from pipeline.game.plan import ESTIMATORS
+from pipeline.game.plan import ADAPTIVE_RULES, ESTIMATORS
 from pipeline.retrieval.frozen import DENSE_MODES
 from pipeline.store.manifest import FILE as manifest_file
 from pipeline.store.outdir import disk_full
@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--adaptive-z", type=float, default=d.adaptive_z, help="adaptive: z of the confidence bound")
     a.add_argument("--adaptive-prior", type=float, default=d.adaptive_prior,
                    help="adaptive: pseudo-draws of prior variance (range^2/4) added to each memory's SE (0: off)")
+    a.add_argument("--adaptive-rule", choices=ADAPTIVE_RULES, default=d.adaptive_rule,
+                   help="adaptive: how a case stops. check: after separation or 16 permutations, enumerate the "
+                        "memories whose marginals exceed tau and stop when that restricted game explains every "
+                        "evaluated coalition; separation: when every value is z SE from -tau (the paper's rule)")
     a.add_argument("--antithetic", action="store_true", default=d.antithetic, help="antithetic permutation pairs")
     a.add_argument("--tau", type=float, default=d.tau, help="harm tolerance: harmful when shapley < -tau")
     a.add_argument("--kappa", type=float, default=d.kappa, help="LOO screen: |loo| <= kappa is inconclusive")
@@ -180,7 +184,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
         agent_options=_agent_options(args), executor=args.executor, actors=args.actors,
         gpus_per_actor=args.gpus_per_actor, batch_size=args.batch_size, embed_actors=args.embed_actors,
         adaptive_round=args.adaptive_round, adaptive_z=args.adaptive_z, budget=args.budget,
-        adaptive_prior=args.adaptive_prior,
+        adaptive_prior=args.adaptive_prior, adaptive_rule=args.adaptive_rule,
     )
     what = "the bundled sample pool" if inputs.is_sample else (args.locomo or ", ".join(args.memories or args.mem0))
     print(f"meclear audit: {safe(what)}; agent={config.agent}, K={config.top_k}, L={config.permutations}, "

@@ -1,4 +1,8 @@
-"""The adaptive permutation estimator's stopping rule (the paper's Appendix B, made operational).
+"""The adaptive permutation estimator's separation rule (the paper's Appendix B, made operational).
+
+Since issue 30 item 3 this rule ends adaptive's screen and the case stops on a check (`--adaptive-rule check`, the
+default; pipeline.game.restricted): in `correct` mode the SE below is computed from {0, 1} draws and is 0 for a run
+of identical ones, which this rule alone takes as certainty. `--adaptive-rule separation` is the rule alone.
 
 The harmful set is H = {i : phi_i < -tau}. A sampled H equals the exact one when every estimate is on the same side of
 -tau as the true value. After each round of permutations the rule checks, for every player i,

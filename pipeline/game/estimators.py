@@ -38,7 +38,10 @@ from pipeline.game.attribution import (
 )
 from pipeline.game.plan import (  # noqa: F401  (BudgetError, min_budget, check_budget: part of the contract)
     ADAPTIVE_CAP,
+    ADAPTIVE_CHECK_AFTER,
     ADAPTIVE_ROUND,
+    ADAPTIVE_RULE,
+    ADAPTIVE_RULES,
     MAX_EXACT_PLAYERS,
     MAX_PLAYERS,
     BudgetError,
@@ -48,6 +51,7 @@ from pipeline.game.plan import (  # noqa: F401  (BudgetError, min_budget, check_
     min_budget,
     prefix_masks,
 )
+from pipeline.game.restricted import certify, observed_marginals
 from pipeline.game.sparse import SparseTable
 
 EMPTY = np.zeros(0, dtype=np.int64)
@@ -351,7 +355,8 @@ class Adaptive(_Base):
     """Antithetic permutation pairs in rounds until every Shapley value is separated from the harm threshold -tau
     (pipeline.game.adaptive: |phi + tau| > z * SE), at most `cap` permutations or the budget. An undecided case
     (cap or budget) reports the least-squares fit to every coalition it evaluated or the permutation mean
-    (`fallback`, see ADAPTIVE_FALLBACKS).
+    (`fallback`, see ADAPTIVE_FALLBACKS). With `rule="check"` (the default, ADAPTIVE_RULES) the rounds end at
+    separation or after `check_after` permutations and the case stops on the restricted-game check instead.
 
     `prior` (issue 16 item 5) guards against a zero SE taken as certainty: in `correct` mode the game is {0, 1} and a
     memory's marginals are often exactly 0 in the first few pairs although it matters in some permutation. The
@@ -363,7 +368,13 @@ class Adaptive(_Base):
     name = "adaptive"
 
     def __init__(self, tau: float = 0.0, cap: int = ADAPTIVE_CAP, round_size: int = ADAPTIVE_ROUND,
-                 z: float = DEFAULT_Z, prior: float = 0.0, min_rounds: int = 1, fallback: str = "auto"):
+                 z: float = DEFAULT_Z, prior: float = 0.0, min_rounds: int = 1, fallback: str = "auto",
+                 rule: str = ADAPTIVE_RULE, check_after: int = ADAPTIVE_CHECK_AFTER):
+        if rule not in ADAPTIVE_RULES:
+            raise ConfigError(f"adaptive: rule={rule!r}; allowed {ADAPTIVE_RULES}")
+        if check_after < 2 or check_after % 2:
+            raise ConfigError(f"adaptive: check_after={check_after}; must be an even integer >= 2")
+        self.rule, self.check_after = rule, check_after
         if cap < 2 or cap % 2 or round_size < 2 or round_size % 2:
             raise ConfigError(f"adaptive: cap={cap}, round_size={round_size}; both must be even integers >= 2 "
                               "(antithetic pairs)")
@@ -403,7 +414,13 @@ class Adaptive(_Base):
                 yield anchor_coalitions(k)
                 return _anchor_only(run, self.name)
             phi, se, _ = self._se(run, perms[:used])
-            if used >= min(min_draws, limit) and bool(separated(phi, se, self.tau, self.z).all()):
+            done = used >= min(min_draws, limit) and bool(separated(phi, se, self.tau, self.z).all())
+            if self.rule == "check" and (done or used >= min(self.check_after, limit)):
+                # the rounds were the screen; the check decides (pipeline.game.restricted)
+                marg = observed_marginals(run.values, k, perms[:used])
+                phi, stop, _ = yield from certify(run, marg, phi, self.tau)
+                return run.attribution(phi, se, stop, self.name, draws=used)
+            if done:
                 return run.attribution(phi, se, "separation", self.name, draws=used)
             if used >= limit:
                 stop = "cap" if limit == self.cap else "budget"

@@ -107,6 +107,7 @@ class GamePlan:
     eval_budget: int = 0  # distinct agent evaluations per query, clearance checks included; 0 = none (L decides)
     utility: str = "probability"  # the utility mode: it sets the clearance's share of eval_budget (clearance_reserve)
     prior: float = 0.0  # adaptive: variance pseudo-draws (pipeline.game.estimators.Adaptive)
+    rule: str = "check"  # adaptive: how a case stops (ADAPTIVE_RULES)
 
     def round_coalitions(self, used: int) -> np.ndarray:
         """Coalitions of the first `used` permutations (and LOO): what an adaptive case needs after `used`."""
@@ -170,6 +171,14 @@ def few_samples(k: int, budget: int) -> bool:
 
 
 ADAPTIVE_PRIOR = 0.0  # adaptive: variance pseudo-draws by default (pipeline.game.estimators.Adaptive)
+# How an adaptive case stops. "separation": when every value is z standard errors from -tau (the paper's Appendix B;
+# in `correct` mode a run of identical {0,1} draws gives SE 0 and is taken as certainty). "check": the rounds are a
+# screen that ends at separation or after `check_after` permutations, and the case stops when the game restricted to
+# the players whose marginals exceed tau explains every coalition evaluated (pipeline.game.restricted), which no
+# run of zeros can fake. Measured per conversation on all ten (docs/method.md "The adaptive estimator").
+ADAPTIVE_RULES = ("check", "separation")
+ADAPTIVE_RULE = "check"
+ADAPTIVE_CHECK_AFTER = 16
 
 
 def auto_estimator(k: int, budget: int, utility: str = "probability") -> str:
@@ -194,6 +203,7 @@ def make_plan(
     budget: int = 0,
     prior: float = ADAPTIVE_PRIOR,
     utility: str = "probability",
+    rule: str = ADAPTIVE_RULE,
 ) -> GamePlan:
     """Plan a case with K players. Permutations come from a local generator seeded by `seed` (per case).
 
@@ -227,7 +237,9 @@ def make_plan(
         if round_size < 2 or round_size % 2 or permutations % 2:
             raise ConfigError(f"game plan: adaptive draws antithetic pairs; round_size={round_size} and "
                               f"permutations={permutations} must be even (round_size >= 2)")
-    extra = {"eval_budget": budget, "prior": prior, "utility": utility}
+    if rule not in ADAPTIVE_RULES:
+        raise ConfigError(f"game plan: adaptive rule={rule!r}; allowed {ADAPTIVE_RULES}")
+    extra = {"eval_budget": budget, "prior": prior, "utility": utility, "rule": rule}
     if estimator == "exact":
         return GamePlan(k, estimator, permutations, antithetic, seed, np.zeros((0, k), dtype=np.int64),
                         np.arange(2**k, dtype=np.int64), **extra)

@@ -1,5 +1,7 @@
-"""The adaptive permutation estimator (Appendix B): stops by separation on games whose values are clear of -tau, runs
-to the cap when a value sits on the threshold; through the driver, each case reports its permutations and stop."""
+"""The adaptive permutation estimator. The paper's rule (Appendix B, `rule="separation"`): stops by separation on games
+whose values are clear of -tau, runs to the cap when a value sits on the threshold. The default rule ("check"): the
+rounds are a screen, then the game restricted to the players whose marginals exceed tau must explain every evaluated
+coalition. Through the driver, each case reports its permutations and stop."""
 
 from __future__ import annotations
 
@@ -29,13 +31,14 @@ def additive(weights):
     return table(len(weights), lambda m: sum(w for i, w in enumerate(weights) if m >> i & 1))
 
 
-def run_case(values, permutations=64, round_size=8, tau=0.25, seed=0):
-    """Drive one CaseState as the audit driver does, answering coalitions from a closed-form value table."""
+def run_case(values, permutations=64, round_size=8, tau=0.25, seed=0, rule="separation"):
+    """Drive one CaseState as the audit driver does, answering coalitions from a closed-form value table (the
+    paper's separation rule unless `rule` says otherwise)."""
     k = values.size.bit_length() - 1
     ctx = FrozenContext("p", "q", tuple(f"m{i}" for i in range(k)), ("t",) * k, (0.0,) * k, tuple(range(1, k + 1)),
                         (None,) * k, "h")
     st = CaseState(Case(Query("q", "p", "?", "a", ("a", "b")), ctx, seed),
-                   make_plan(k, permutations, "adaptive", seed=seed, round_size=round_size), tau)
+                   make_plan(k, permutations, "adaptive", seed=seed, round_size=round_size, rule=rule), tau)
     asked = []
     while (need := advance(st, tau, DEFAULT_Z)) is not None and need.stage == "plan":
         asked.append(len(need.masks))
@@ -152,7 +155,8 @@ def test_a_case_stopped_by_the_cap_reports_the_least_squares_fit():
 
 def test_adaptive_audit_reports_permutations_and_stop_reason(tmp_path):
     pools, queries, files = InputSpec().load()
-    cfg = AuditConfig(executor="local", dense="off", estimator="adaptive", permutations=32, top_k=8)
+    cfg = AuditConfig(executor="local", dense="off", estimator="adaptive", permutations=32, top_k=8,
+                      adaptive_rule="separation")
     ex = LocalPool(AgentWorker(cfg.agent_spec))
     result = run_audit(pools, queries, cfg, tmp_path / "out", ex, "reader-test", files, progress=False)
     att = pl.read_parquet(tmp_path / "out" / "attributions")
@@ -162,3 +166,44 @@ def test_adaptive_audit_reports_permutations_and_stop_reason(tmp_path):
     util = pl.read_parquet(tmp_path / "out" / "utilities")
     assert util.select(["query_id", "coalition"]).is_duplicated().sum() == 0  # rounds add only new coalitions
     assert result.evaluated == util.height and result.max_evaluations < 256
+
+
+def sparse_game(k, seed):
+    """A {0,1} game on K players where only players 0-3 matter, through interactions of every order (the others are
+    null): the kind of case `correct` mode gives, with marginals in {-1, 0, 1}."""
+    r = np.random.default_rng(seed).integers(0, 2, size=16).astype(float)
+    return table(k, lambda m: r[m & 15])
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_check_rule_gives_exact_values_when_few_players_matter(seed):
+    # with the nulls held present the restricted game over the relevant players is the game itself, so once the
+    # screen saw every player that matters the check stops with exact enumeration's values, at a fraction of 2^K
+    values = sparse_game(10, seed)
+    st, asked = run_case(values, permutations=96, tau=0.05, seed=seed, rule="check")
+    exact = shapley_exact(values)
+    assert st.stop == "explained"
+    np.testing.assert_allclose(st.phi, exact, atol=1e-12)
+    assert st.evaluations < 300 and len(asked) >= 2  # the screen's round(s), then the enumeration
+
+
+def test_check_rule_is_not_fooled_where_the_separation_rule_is():
+    # Over seeds, the separation rule trusts a pair SE from 4-8 {0,1} draws and reports a harmful set different from
+    # exact enumeration's on some games; the check rule matches it on every one (same games, same seeds)
+    wrong_sep = wrong_check = 0
+    for seed in range(40):
+        values = sparse_game(10, 100 + seed)
+        harm = shapley_exact(values) < -0.05
+        sep, _ = run_case(values, permutations=96, tau=0.05, seed=seed, rule="separation")
+        chk, _ = run_case(values, permutations=96, tau=0.05, seed=seed, rule="check")
+        wrong_sep += not np.array_equal(sep.phi < -0.05, harm)
+        wrong_check += not np.array_equal(chk.phi < -0.05, harm)
+    assert wrong_check == 0 and wrong_sep >= 1
+
+
+def test_check_rule_is_the_default_and_is_validated():
+    assert make_plan(6, 16, "adaptive").rule == "check" and AuditConfig(estimator="adaptive").adaptive_rule == "check"
+    with pytest.raises(ConfigError, match="adaptive_rule='variance'"):
+        AuditConfig(estimator="adaptive", adaptive_rule="variance")
+    with pytest.raises(ConfigError, match="allowed"):
+        make_plan(6, 16, "adaptive", rule="variance")

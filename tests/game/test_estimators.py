@@ -185,12 +185,17 @@ def test_adaptive_stops_by_separation_and_the_prior_only_adds_draws():
 
     for seed in range(5):
         g, phi = game()
-        plain = get_estimator("adaptive", tau=0.05).estimate(g, 600, np.random.default_rng(seed))
-        guarded = get_estimator("adaptive", tau=0.05, prior=2.0).estimate(game()[0], 600, np.random.default_rng(seed))
+        plain = get_estimator("adaptive", tau=0.05, rule="separation").estimate(g, 600, np.random.default_rng(seed))
+        guarded = get_estimator("adaptive", tau=0.05, prior=2.0, rule="separation").estimate(
+            game()[0], 600, np.random.default_rng(seed))
+        checked = get_estimator("adaptive", tau=0.05).estimate(game()[0], 600, np.random.default_rng(seed))
         assert plain.stop == "separation" and plain.evaluations <= 600
         np.testing.assert_array_equal(plain.values < -0.05, phi < -0.05)
         np.testing.assert_array_equal(guarded.values < -0.05, phi < -0.05)
         assert guarded.evaluations >= plain.evaluations  # a floor on the variance can only delay the stop
+        # the default rule enumerates the six players that matter once the screen saw them: exact values
+        assert checked.stop == "explained" and checked.evaluations <= 600
+        np.testing.assert_allclose(checked.values, phi, atol=1e-12)
 
 
 # --------------------------------------------------------------------------------- through the audit (ask/tell)
