@@ -2,6 +2,8 @@
 
     env PYTHONPATH=. python jobs/bench_split.py --locomo ../shared/data/locomo/locomo10.json --top-k 10 \
         --budgets 64,128 --reserves 0,2,4,8,16,32 --out /tmp/split.json
+    env PYTHONPATH=. python jobs/bench_split.py --locomo ../shared/data/locomo/locomo10.json --top-k 10 \
+        --budgets 64,128 --reserves audit --clearance audit,chain,family --utility probability --out /tmp/rule.json
 
 Builds the FI-LoCoMo fault cases once (the benchmark's own builder, reader agent unless --agent says otherwise), then
 replays what `meclear audit --budget B` ships (`pipeline.bench.methods.shipped`: the `auto` estimator on B minus a
@@ -9,7 +11,9 @@ reserve, the clearance on the rest; several rankings in `correct` mode) with eac
 same agent outputs (cached per case) and the same seeds. Prints, per utility mode, budget and reserve: exact-set
 match, task recovery and Recall@|M| (micro: hits over fault slots), in percent, and the mean evaluations spent, and
 writes them with per-conversation rows to --out. The audit's reserve is `clearance_reserve` in
-pipeline/game/estimators.py (`--reserves audit` replays it); this is the measurement behind it.
+pipeline/game/estimators.py (`--reserves audit` replays it); this is the measurement behind it. `--clearance` replays
+the candidate rule too: `audit` (what ships), `chain` (the Shapley chain alone), `family` (every ranking, no
+preferred one): the measurement behind `pipeline.game.clearance.primary_ranking`.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import numpy as np
 
 from pipeline.bench.baselines import CachedOracle
 from pipeline.bench.config import EvalConfig
-from pipeline.bench.methods import Method, shipped
+from pipeline.bench.methods import CLEARANCE_VARIANTS, Method, shipped
 from pipeline.bench.outcomes import CaseOutcomes
 from pipeline.bench.run import BenchWorker
 from pipeline.core.progress import progress_bar
@@ -44,6 +48,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--budgets", default="64,128")
     ap.add_argument("--reserves", default="0,2,4,8,16,32",
                     help="comma list of reserves; 'audit' is the audit's rule (clearance_reserve)")
+    ap.add_argument("--clearance", default="audit",
+                    help=f"comma list of candidate rules to replay, of {', '.join(CLEARANCE_VARIANTS)}")
     ap.add_argument("--utility", default="correct,probability")
     ap.add_argument("--agent", default="reader")
     ap.add_argument("--seed", type=int, default=0)
@@ -53,6 +59,10 @@ def main(argv: list[str] | None = None) -> None:
     budgets = _ints(args.budgets)
     reserves: list[int | None] = [None if x == "audit" else int(x) for x in args.reserves.split(",") if x]
     modes = [m for m in args.utility.split(",") if m]
+    rules = [r for r in args.clearance.split(",") if r]
+    bad = sorted(set(rules) - set(CLEARANCE_VARIANTS))
+    if bad or not rules:
+        raise SystemExit(f"bench_split: --clearance {args.clearance!r}: allowed {', '.join(CLEARANCE_VARIANTS)}")
     convs = [c for c in args.conversations.split(",") if c]
     cfg = EvalConfig(locomo=args.locomo, conversations=tuple(convs), top_k=args.top_k, eval_budgets=tuple(budgets),
                      methods=tuple(f"auto_b{b}" for b in budgets), utility=tuple(modes), agent=args.agent,
@@ -66,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     build_s = time.perf_counter() - t0
 
     t1 = time.perf_counter()
-    # (mode, budget, reserve) -> conversation -> [exact, recovered, hits, slots, evaluations, n]
+    # (mode, budget, reserve, rule) -> conversation -> [exact, recovered, hits, slots, evaluations, n]
     acc: dict[tuple, dict[str, np.ndarray]] = defaultdict(lambda: defaultdict(lambda: np.zeros(6)))
     bar = progress_bar(len(cases), "replaying the split", "case")
     used = 0
@@ -81,20 +91,26 @@ def main(argv: list[str] | None = None) -> None:
         for mode in modes:
             for b in budgets:
                 for r in reserves:
-                    ev = CachedOracle(k, oracle.mode(mode))
-                    out = shipped(Method.parse(f"auto_b{b}"), k, ev, bc.case.seed, cfg.tau, mode, reserve=r)
-                    hits = len(set(out.full_ranking[: len(faults)]) & faults)
-                    acc[(mode, b, r)][bc.conversation] += [set(out.cleared) == faults, out.recovered, hits,
-                                                           len(faults), out.evaluations, 1]
+                    for rule in rules:
+                        ev = CachedOracle(k, oracle.mode(mode))
+                        out = shipped(Method.parse(f"auto_b{b}"), k, ev, bc.case.seed, cfg.tau, mode, reserve=r,
+                                      clearance=rule)
+                        hits = len(set(out.full_ranking[: len(faults)]) & faults)
+                        acc[(mode, b, r, rule)][bc.conversation] += [set(out.cleared) == faults, out.recovered,
+                                                                     hits, len(faults), out.evaluations, 1]
     bar.close()
     methods_s = time.perf_counter() - t1
 
     rows = []
-    for (mode, b, r), per in sorted(acc.items(), key=lambda x: (x[0][0], x[0][1], -1 if x[0][2] is None else x[0][2])):
+    def order(item):
+        (mode, b, r, rule), _ = item
+        return mode, b, -1 if r is None else r, rules.index(rule)
+
+    for (mode, b, r, rule), per in sorted(acc.items(), key=order):
         tot = sum(per.values())
-        rule = clearance_reserve(args.top_k, b, mode)
-        rows.append({"utility": mode, "budget": b, "reserve": rule if r is None else r, "audit_rule": r is None,
-                     "audit_default": (rule if r is None else r) == rule,
+        default = clearance_reserve(args.top_k, b, mode)
+        rows.append({"utility": mode, "budget": b, "reserve": default if r is None else r, "audit_rule": r is None,
+                     "audit_default": (default if r is None else r) == default, "clearance": rule,
                      "cases": int(tot[5]), "exact_set_match": 100 * tot[0] / tot[5],
                      "recovery": 100 * tot[1] / tot[5], "recall_at_m": 100 * tot[2] / tot[3],
                      "mean_evaluations": tot[4] / tot[5],
@@ -102,17 +118,18 @@ def main(argv: list[str] | None = None) -> None:
                                               "recovery": 100 * v[1] / v[5]} for c, v in sorted(per.items())}})
     print(f"\n{used} cases (of {len(cases)} built) from {len(convs)} conversations, K={args.top_k}, agent "
           f"{args.agent}; build {build_s:.0f} s, replay {methods_s:.0f} s\n")
-    print("| utility | B | reserve | exact-set match | recovery | Recall@\\|M\\| | mean evaluations |")
-    print("|---|---|---|---|---|---|---|")
+    print("| utility | B | reserve | clearance | exact-set match | recovery | Recall@\\|M\\| | mean evaluations |")
+    print("|---|---|---|---|---|---|---|---|")
     for x in rows:
         mark = " (audit)" if x["audit_rule"] else ""
-        print(f"| {x['utility']} | {x['budget']} | {x['reserve']}{mark} | {x['exact_set_match']:.1f} | "
-              f"{x['recovery']:.1f} | {x['recall_at_m']:.1f} | {x['mean_evaluations']:.1f} |")
+        print(f"| {x['utility']} | {x['budget']} | {x['reserve']}{mark} | {x['clearance']} | "
+              f"{x['exact_set_match']:.1f} | {x['recovery']:.1f} | {x['recall_at_m']:.1f} | "
+              f"{x['mean_evaluations']:.1f} |")
     convs_seen = sorted({c for x in rows for c in x["per_conversation"]})
     ruled = [x for x in rows if x["audit_rule"]]
     if ruled:
         print("\nPer conversation, the audit's rule: exact-set match / recovery, percent")
-        heads = [f"{x['utility']} B={x['budget']} (r={x['reserve']})" for x in ruled]
+        heads = [f"{x['utility']} B={x['budget']} (r={x['reserve']}, {x['clearance']})" for x in ruled]
         print("| conversation | " + " | ".join(heads) + " |")
         print("|---|" + "---|" * len(ruled))
         for c in convs_seen:

@@ -56,6 +56,8 @@ class CaseState:
     # the rankings the clearance draws candidates from (pipeline.game.clearance.clearance_rankings): ("shapley",) is
     # the paper's one nested chain; more add their prefixes and every single removal, inside the budget
     rankings: tuple[str, ...] = ("shapley",)
+    # the ranking whose candidates are preferred (pipeline.game.clearance.primary_ranking; None: the whole family)
+    primary: str | None = None
     values: ValueTable = field(init=False)  # NaN = not evaluated
     correct: ValueTable = field(init=False)
     answers: dict[int, str] = field(default_factory=dict)  # coalition -> the agent's answer
@@ -279,7 +281,7 @@ def finalize(state: CaseState, run_id: str, tau: float, kappa: float) -> CaseRow
         for j in range(i + 1, plan.k)
     ]
     if state.family is not None:
-        result = select_best(plan.k, state.family, state.values, state.correct)
+        result = select_best(plan.k, state.family, state.values, state.correct, state.primary)
     else:
         result = select_clearance(plan.k, state.clear_ranking, state.values, state.correct)
     full = (1 << plan.k) - 1

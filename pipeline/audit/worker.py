@@ -33,7 +33,7 @@ from pipeline.core.errors import (
 )
 from pipeline.core.text import gold_index
 from pipeline.game import GamePlan
-from pipeline.game.clearance import clearance_rankings
+from pipeline.game.clearance import clearance_rankings, primary_ranking
 from pipeline.game.plan import popcount
 from pipeline.store.rows import (
     AttributionRow,
@@ -356,7 +356,8 @@ def run_cases(agent: Agent, tasks: list[CaseTask], s: CaseSettings) -> CasesDone
     reused makes no agent call and is only reduced here."""
     states: dict[int, CaseState] = {}
     for t in tasks:
-        st = CaseState(t.case, t.plan, s.tau, s.adaptive_z, clearance_rankings(s.utility, bool(t.plan.eval_budget)))
+        st = CaseState(t.case, t.plan, s.tau, s.adaptive_z, clearance_rankings(s.utility, bool(t.plan.eval_budget)),
+                       primary_ranking(s.utility))
         if t.reused is not None:
             st.record(*t.reused)
         states[t.case_index] = st

@@ -289,19 +289,27 @@ def budgeted(method: Method, k: int, ev: CachedOracle, seed: int, tau: float) ->
     return _ranked(k, values, ev, tau, name, seed, budget=method.evals)
 
 
+# What `shipped(clearance=...)` may replay instead of the audit's rule (jobs/bench_split.py measures them side by side):
+# the Shapley chain alone, or the whole family with no preferred ranking.
+CLEARANCE_VARIANTS = ("audit", "chain", "family")
+
+
 def shipped(method: Method, k: int, ev: CachedOracle, seed: int, tau: float, utility: str,
-            reserve: int | None = None) -> Outcome:
+            reserve: int | None = None, clearance: str = "audit") -> Outcome:
     """What `meclear audit --budget B` ships (`auto_b<B>`): the `auto` estimator for this K, budget and utility mode
     on the attribution part of B, then the verified clearance on what is left: in `correct` mode over several
-    rankings (Shapley, the free sparse surrogate, LOO, single removals: `pipeline.game.clearance.candidate_family`),
-    in `probability` mode over the Shapley chain alone (`clearance_rankings`). Its rankings are those of the ranking
-    whose candidate was chosen (Shapley's when none was). `reserve`: evaluations kept back from the estimator for
-    the clearance (None: the audit's, `clearance_reserve`); jobs/bench_split.py measures it."""
+    rankings (Shapley, the free sparse surrogate, LOO, single removals: `pipeline.game.clearance.candidate_family`);
+    in `probability` mode the Shapley chain is preferred and the others are a fallback (`primary_ranking`). Its
+    rankings are those of the ranking whose candidate was chosen (Shapley's when none was). `reserve`: evaluations
+    kept back from the estimator for the clearance (None: the audit's, `clearance_reserve`); `clearance`: one of
+    CLEARANCE_VARIANTS (the audit's rule, the Shapley chain alone, the whole family without a preferred ranking).
+    jobs/bench_split.py measures both."""
     from pipeline.game.clearance import affordable as fits
     from pipeline.game.clearance import (
         candidate_family,
         clearance_rankings,
         kept_coalitions,
+        primary_ranking,
         select_best,
         verification_rankings,
     )
@@ -320,7 +328,10 @@ def shipped(method: Method, k: int, ev: CachedOracle, seed: int, tau: float, uti
         util, _ = ev(anchors)
         loo_scores = util[0] - util[1:]
     masks, vals = ev.evaluated()
-    sources = clearance_rankings(utility, budgeted=True)  # the audit's rule: several rankings in `correct` mode only
+    if clearance not in CLEARANCE_VARIANTS:
+        raise ValueError(f"clearance {clearance!r} is unknown; allowed {CLEARANCE_VARIANTS}")
+    sources = ("shapley",) if clearance == "chain" else clearance_rankings(utility, budgeted=True)
+    primary = primary_ranking(utility) if clearance == "audit" else None
     rankings = verification_rankings(k, phi, tau, loo_scores, masks, vals, sources)
     family = fits(k, candidate_family(k, rankings, singles=len(sources) > 1 and loo_scores is not None), ev.seen,
                   budget - ev.evaluations)
@@ -328,7 +339,7 @@ def shipped(method: Method, k: int, ev: CachedOracle, seed: int, tau: float, uti
     util, ok = ev(kept)
     values, correct = SparseTable(k), SparseTable(k, fill=False, dtype=bool)
     values[kept], correct[kept] = util, ok
-    c = select_best(k, family, values, correct)
+    c = select_best(k, family, values, correct, primary)
     scores = surrogate_scores(masks, vals, k) if c.source == "surrogate" else (
         loo_scores if c.source == "loo" else phi)
     primary = dict(rankings)["shapley"]

@@ -32,18 +32,28 @@ UNCHANGED = "unchanged"
 
 
 def clearance_rankings(utility: str, budgeted: bool) -> tuple[str, ...]:
-    """The rankings the audit's clearance draws candidates from, by utility mode (measured: docs/method.md "Verified
-    clearance over several rankings"; reader, K=10, all ten conversations, 478 FI-LoCoMo cases).
+    """The rankings the audit's clearance draws candidates from (measured: docs/method.md "Verified clearance over
+    several rankings"; reader, K=10, all ten conversations, 478 FI-LoCoMo cases; SmolLM2, 81 cases).
 
-    `correct` under a budget: all of RANKINGS plus single removals. The gains are {0, 1} steps, so every admissible
-    candidate has the same gain and Theorem 2's rule picks the smallest: more candidates can only find a smaller or
-    a recovering one (+3.1 pp recovery and +1.9 pp exact-set match over the Shapley chain at B=128, +4.1 / +1.2 pp at
-    B=64). `probability`: the Shapley chain alone. Gains are continuous there, and "largest gain first" prefers a
-    larger set from another ranking that adds a little utility (-12.5 pp exact-set match at B=64). Without a budget
-    (the paper's settings) the chain alone too, so those runs stay what the paper describes."""
-    if utility == "correct" and budgeted:
+    Under a budget, all of RANKINGS plus single removals, in both modes. `correct`: the gains are {0, 1} steps, so
+    every admissible candidate has the same gain and Theorem 2's rule picks the smallest: more candidates can only
+    find a smaller or a recovering one (+3.1 pp recovery and +1.9 pp exact-set match over the Shapley chain at B=128,
+    +4.1 / +1.2 pp at B=64). `probability`: the same family, but the Shapley chain is preferred (`primary_ranking`;
+    the others are a fallback where the chain clears nothing and the answer is wrong):
+    with continuous gains "largest gain first" over the whole family prefers a larger set from another ranking that
+    adds a little utility (-12.5 pp exact-set match at B=64), while the chain alone left redundant copies in place
+    whenever the estimate flagged one copy only (SmolLM2, B=128: recovery 82.7% against ContextCite's 98.8%).
+    Without a budget (the paper's settings) the chain alone, so those runs stay what the paper describes."""
+    if budgeted:
         return RANKINGS
     return ("shapley",)
+
+
+def primary_ranking(utility: str) -> str | None:
+    """The ranking whose candidates `select_best` prefers in this utility mode: `shapley` in `probability` mode (the
+    other rankings' candidates are a fallback, chosen only when no candidate of the chain is admissible), None in
+    `correct` mode (the whole family competes: its gains are equal steps, so the smallest admissible set wins)."""
+    return "shapley" if utility == "probability" else None
 
 
 def harmful_ranking(phi: np.ndarray, tau: float, loo: np.ndarray | None = None) -> np.ndarray:
@@ -166,9 +176,17 @@ def affordable(k: int, candidates: Sequence[Candidate], evaluated: Callable[[np.
     return out
 
 
-def select_best(k: int, candidates: Sequence[Candidate], values: np.ndarray, correct: np.ndarray) -> Clearance:
+def select_best(k: int, candidates: Sequence[Candidate], values: np.ndarray, correct: np.ndarray,
+                primary: str | None = None) -> Clearance:
     """Theorem 2's rule over an arbitrary candidate family (the first must be the unchanged context): the largest
-    positive gain among verified candidates, then the smallest, then the first in family order; else unchanged."""
+    positive gain among verified candidates, then the smallest, then the first in family order; else unchanged.
+
+    `primary`: a ranking whose candidates are preferred. The rule runs over the unchanged context and `primary`'s
+    candidates; only when none of them is admissible and the answer on the full context is wrong does it run over
+    the whole family (the fallback is for recovery: with continuous gains some single removal nearly always adds a
+    little utility, and a query answered correctly must not be cleared on that). The guarantee still holds: the
+    family Theorem 2 is applied to is the chain, or everything evaluated; both contain the unchanged context (a
+    family chosen from the data, as the chain itself is)."""
     candidates = list(candidates)
     if not candidates or candidates[0].removed_mask != 0:
         raise ValueError("a clearance's candidate family must start with the unchanged context")
@@ -178,9 +196,15 @@ def select_best(k: int, candidates: Sequence[Candidate], values: np.ndarray, cor
         raise ValueError("clearance needs every candidate it selects among evaluated")
     ok = np.asarray(correct[kept], dtype=bool)
     gains = util - util[0]
+    admissible = (gains > 0) & ok
+    admissible[0] = False
+    if primary is not None:
+        own = np.array([c.source == primary for c in candidates], dtype=bool)
+        if (admissible & own).any() or ok[0]:
+            admissible &= own
     best = 0
     for c in range(1, len(candidates)):
-        if not (gains[c] > 0 and ok[c]):
+        if not admissible[c]:
             continue
         size, best_size = len(candidates[c].removed), len(candidates[best].removed)
         if best == 0 or gains[c] > gains[best] or (gains[c] == gains[best] and size < best_size):

@@ -114,9 +114,9 @@ def clearance_reserve(k: int, budget: int, utility: str = "probability") -> int:
     `correct`: min(K - 2, B // 8). The clearance there checks several rankings (`clearance_rankings`), and a reserve
     of 2 left most of their candidates unchecked: at K=20 recovery rose from 61.3% / 84.4% / 96.3% (B=64 / 128 / 256)
     to 81.4% / 99.4% / 100% with this rule, exact-set match -0.6 / +3.1 / +1.8 pp; at K=10 from 91.8% / 98.7% to
-    99.2% / 100% (B=64 / 128), exact-set +1.3 / -0.2 pp. `probability`: CLEARANCE_RESERVE. Its clearance is the
+    99.2% / 100% (B=64 / 128), exact-set +1.3 / -0.2 pp. `probability`: CLEARANCE_RESERVE. Its clearance prefers the
     Shapley chain, whose continuous gains make a longer checked prefix a larger set (exact-set match fell 9-14 pp
-    with any larger reserve at K=20, recovery already 99.4-100%).
+    with any larger reserve at K=20, recovery already 99.4-100%, measured with the chain alone).
 
     Checked again with `sparseshap` (issue 30 item 2): a smaller reserve from B=128 (min(K-2, 8, 512 // B)) looked
     better on the tuned pair and was level or worse on all ten conversations (K=32 B=128: Recall@|M| +1.5 pp,

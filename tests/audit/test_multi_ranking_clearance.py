@@ -1,7 +1,8 @@
 """The audit's verified clearance over several rankings (issue 30, item 1): in `correct` mode under a budget the
 candidates come from the Shapley chain, the free sparse surrogate, LOO and single removals, inside the budget; every
 row says which ranking proposed its clearance; a family that contains the Shapley chain never recovers fewer cases
-nor clears more memories than the chain alone on the same estimates. `probability` mode keeps the chain alone."""
+nor clears more memories than the chain alone on the same estimates. `probability` mode prefers the chain: the other
+rankings' candidates are chosen only where the chain clears nothing."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pipeline.audit import worker as worker_module
 from pipeline.audit.run import AuditConfig, InputSpec, run_audit
 from pipeline.audit.worker import AgentWorker
 from pipeline.exec.pools import LocalPool
-from pipeline.game.clearance import RANKINGS, SINGLES, UNCHANGED, clearance_rankings
+from pipeline.game.clearance import RANKINGS, SINGLES, UNCHANGED, clearance_rankings, primary_ranking
 from pipeline.store import parts
 from pipeline.store.manifest import SchemaVersionError
 from pipeline.store.schemas import CLEARANCES
@@ -37,8 +38,9 @@ def run(tmp_path, name, spec: InputSpec, **overrides):
 
 def test_the_rule_by_mode():
     assert clearance_rankings("correct", budgeted=True) == RANKINGS
-    assert clearance_rankings("probability", budgeted=True) == ("shapley",)
-    assert clearance_rankings("correct", budgeted=False) == ("shapley",)
+    assert clearance_rankings("probability", budgeted=True) == RANKINGS
+    assert clearance_rankings("correct", budgeted=False) == clearance_rankings("probability", False) == ("shapley",)
+    assert primary_ranking("probability") == "shapley" and primary_ranking("correct") is None
 
 
 @pytest.fixture(scope="module")
@@ -114,12 +116,34 @@ def test_more_rankings_never_recover_less_nor_clear_more(locomo_runs):
     assert rec_multi >= rec_chain
 
 
-def test_probability_mode_keeps_the_shapley_chain(tmp_path):
-    _, out = run(tmp_path, "p", InputSpec(), budget=20, utility="probability")
-    cl = pl.read_parquet(out / "clearances")
-    assert set(cl["source"].unique()) <= {"shapley", UNCHANGED}
-    for c in cl.iter_rows(named=True):
-        assert c["candidates"] <= c["harmful"] + 1
+def test_probability_mode_prefers_the_shapley_chain(tmp_path):
+    """Same cases, estimates and seed, `probability`, B=64: wherever the chain alone clears, the shipped clearance
+    clears the same set from the chain; another ranking's candidate appears only where the chain cleared nothing."""
+    if not LOCOMO.exists():
+        pytest.skip(f"needs LoCoMo at {LOCOMO}")
+    spec = InputSpec(locomo=str(LOCOMO), conversations=("conv-26",), max_queries=60)
+    settings = {"top_k": 10, "budget": 64, "utility": "probability", "estimator": "kernelshap"}
+    _, multi_out = run(tmp_path, "multi", spec, **settings)
+    mp = pytest.MonkeyPatch()
+    mp.setattr(worker_module, "clearance_rankings", lambda utility, budgeted: ("shapley",))
+    try:
+        _, chain_out = run(tmp_path, "chain", spec, **settings)
+    finally:
+        mp.undo()
+    a = pl.read_parquet(multi_out / "clearances").select("query_id", "cleared", "source", "gain", "evaluations",
+                                                         "baseline_correct", "recovered")
+    b = pl.read_parquet(chain_out / "clearances").select("query_id", "cleared", "source")
+    j = a.join(b, on="query_id", suffix="_chain")
+    assert j.height == a.height == b.height > 0
+    assert (j["evaluations"] <= 64).all()
+    for r in j.iter_rows(named=True):
+        if r["source_chain"] == "shapley":
+            assert (r["cleared"], r["source"]) == (r["cleared_chain"], "shapley"), r["query_id"]
+        elif r["source"] != UNCHANGED:
+            assert r["source"] in {"surrogate", "loo", SINGLES} and r["gain"] > 0, r["query_id"]
+            assert r["source_chain"] == UNCHANGED and not r["baseline_correct"] and r["recovered"], r["query_id"]
+    assert (j["source_chain"] == "shapley").any()
+    assert (j["source"].is_in(["surrogate", "loo", SINGLES])).any()  # the fallback does clear on this conversation
 
 
 def test_a_part_written_before_the_source_column_still_reads(tmp_path):

@@ -32,3 +32,24 @@ def test_the_rule_recovers_at_least_what_the_constant_did(tmp_path, capsys):
     # probability mode's rule is the constant: the same outcomes
     assert by[("probability", 2, True)]["exact_set_match"] == by[("probability", 2, False)]["exact_set_match"]
     assert "| correct | 64 | 8 (audit) |" in printed and "conv-26" in rule["per_conversation"]
+
+
+def test_probability_fallback_recovers_at_least_what_the_chain_did(tmp_path):
+    """`--clearance`: the audit's rule in `probability` mode (the chain preferred, the other rankings where it
+    clears nothing on a wrong answer) against the chain alone, same cases and seeds: never fewer recoveries, never
+    fewer exact sets (only the chain's empty clearances can change), within the budget."""
+    if not LOCOMO.exists():
+        pytest.skip(f"needs LoCoMo at {LOCOMO}")
+    spec = importlib.util.spec_from_file_location("bench_split", ROOT / "jobs" / "bench_split.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "rule.json"
+    mod.main(["--locomo", str(LOCOMO), "--conversations", "conv-26", "--budgets", "64", "--reserves", "audit",
+              "--clearance", "audit,chain", "--utility", "probability", "--out", str(out)])
+    by = {r["clearance"]: r for r in json.loads(out.read_text())["rows"]}
+    audit, chain = by["audit"], by["chain"]
+    assert audit["cases"] == chain["cases"] > 20
+    assert audit["recovery"] >= chain["recovery"] and audit["exact_set_match"] >= chain["exact_set_match"]
+    assert audit["mean_evaluations"] <= 64
+    with pytest.raises(SystemExit, match="allowed audit, chain, family"):
+        mod.main(["--locomo", str(LOCOMO), "--clearance", "best", "--out", str(tmp_path / "x.json")])

@@ -74,6 +74,46 @@ def test_more_candidates_never_lower_the_gain() -> None:
         assert many.gain >= one.gain
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_a_preferred_ranking_is_the_chain_when_it_clears_else_the_whole_family(seed: int) -> None:
+    """`primary` (probability mode): Theorem 2's rule over the chain when the chain has an admissible candidate or
+    the full context is answered correctly, over the whole family otherwise; the properties hold either way."""
+    k = 6
+    values, correct = _game(k, seed)
+    rng = np.random.default_rng([seed, 2])
+    chain = rng.permutation(k)[: rng.integers(1, 4)]
+    rankings = [("shapley", chain), ("surrogate", rng.permutation(k)[:3]), ("loo", rng.permutation(k)[:2])]
+    family = candidate_family(k, rankings)
+    alone = select_best(k, candidate_family(k, rankings[:1], singles=False), values, correct)
+    whole = select_best(k, family, values, correct)
+    got = select_best(k, family, values, correct, primary="shapley")
+    if alone.removed_mask or correct[full_mask(k)]:
+        assert (got.removed_mask, got.gain) == (alone.removed_mask, alone.gain)
+    else:
+        assert (got.removed_mask, got.gain, got.source) == (whole.removed_mask, whole.gain, whole.source)
+    assert got.gain >= 0 and (got.removed_mask == 0 or correct[full_mask(k) & ~got.removed_mask])
+
+
+def test_a_preferred_ranking_falls_back_on_redundant_copies() -> None:
+    """The case SmolLM2 showed: two copies mask each other, the estimate flags one, the chain {a} gains nothing;
+    another ranking proposes {a, b}, which the fallback clears."""
+    k, a, b = 4, 0, 1
+    full = full_mask(k)
+    values = np.full(1 << k, 0.3)
+    correct = np.zeros(1 << k, dtype=bool)
+    values[full & ~((1 << a) | (1 << b))] = 0.7
+    correct[full & ~((1 << a) | (1 << b))] = True
+    family = candidate_family(k, [("shapley", np.array([a])), ("surrogate", np.array([a, b]))])
+    chain_only = select_best(k, family[:2], values, correct, primary="shapley")
+    assert chain_only.removed_mask == 0
+    got = select_best(k, family, values, correct, primary="shapley")
+    assert got.removed == (a, b) and got.source == "surrogate" and got.recovered
+    assert got.gain == pytest.approx(0.4)
+    # answered correctly on the full context: no fallback, whatever another ranking's candidate would add
+    correct[full] = True
+    assert select_best(k, family, values, correct, primary="shapley").removed_mask == 0
+
+
 def test_affordable_takes_free_candidates_and_stops_paying_at_the_budget() -> None:
     k = 5
     family = candidate_family(k, [("shapley", np.array([0, 1, 2])), ("loo", np.array([3, 4]))])
