@@ -331,7 +331,7 @@ def shipped(method: Method, k: int, ev: CachedOracle, seed: int, tau: float, uti
     if clearance not in CLEARANCE_VARIANTS:
         raise ValueError(f"clearance {clearance!r} is unknown; allowed {CLEARANCE_VARIANTS}")
     sources = ("shapley",) if clearance == "chain" else clearance_rankings(utility, budgeted=True)
-    primary = primary_ranking(utility) if clearance == "audit" else None
+    preferred = primary_ranking(utility) if clearance == "audit" else None
     rankings = verification_rankings(k, phi, tau, loo_scores, masks, vals, sources)
     family = fits(k, candidate_family(k, rankings, singles=len(sources) > 1 and loo_scores is not None), ev.seen,
                   budget - ev.evaluations)
@@ -339,7 +339,7 @@ def shipped(method: Method, k: int, ev: CachedOracle, seed: int, tau: float, uti
     util, ok = ev(kept)
     values, correct = SparseTable(k), SparseTable(k, fill=False, dtype=bool)
     values[kept], correct[kept] = util, ok
-    c = select_best(k, family, values, correct, primary)
+    c = select_best(k, family, values, correct, preferred)
     scores = surrogate_scores(masks, vals, k) if c.source == "surrogate" else (
         loo_scores if c.source == "loo" else phi)
     primary = dict(rankings)["shapley"]

@@ -50,15 +50,21 @@ def locomo_runs(tmp_path_factory):
     if not LOCOMO.exists():
         pytest.skip(f"needs LoCoMo at {LOCOMO}")
     tmp = tmp_path_factory.mktemp("multi")
-    spec = InputSpec(locomo=str(LOCOMO), conversations=("conv-26",), max_queries=60)
     # kernelshap, not `auto`: with it the Shapley chain leaves cases to the other rankings, which is what these tests
     # check (with `sparseshap`, auto's choice here since issue 30 item 2, the chain itself clears those cases)
-    settings = {"top_k": 10, "budget": 64, "utility": "correct", "estimator": "kernelshap"}
-    multi, multi_out = run(tmp, "multi", spec, **settings)
+    return shipped_and_chain(tmp, utility="correct")
+
+
+def shipped_and_chain(tmp, utility: str):
+    """conv-26's first 60 queries at K=10, B=64, kernelshap: the shipped clearance and the Shapley chain alone (the
+    chain run patches the rule the worker reads), on the same cases, estimates and seed. Returns both run folders."""
+    spec = InputSpec(locomo=str(LOCOMO), conversations=("conv-26",), max_queries=60)
+    settings = {"top_k": 10, "budget": 64, "utility": utility, "estimator": "kernelshap"}
+    _, multi_out = run(tmp, "multi", spec, **settings)
     mp = pytest.MonkeyPatch()
     mp.setattr(worker_module, "clearance_rankings", lambda utility, budgeted: ("shapley",))
     try:
-        chain, chain_out = run(tmp, "chain", spec, **settings)
+        _, chain_out = run(tmp, "chain", spec, **settings)
     finally:
         mp.undo()
     return multi_out, chain_out
@@ -121,15 +127,7 @@ def test_probability_mode_prefers_the_shapley_chain(tmp_path):
     clears the same set from the chain; another ranking's candidate appears only where the chain cleared nothing."""
     if not LOCOMO.exists():
         pytest.skip(f"needs LoCoMo at {LOCOMO}")
-    spec = InputSpec(locomo=str(LOCOMO), conversations=("conv-26",), max_queries=60)
-    settings = {"top_k": 10, "budget": 64, "utility": "probability", "estimator": "kernelshap"}
-    _, multi_out = run(tmp_path, "multi", spec, **settings)
-    mp = pytest.MonkeyPatch()
-    mp.setattr(worker_module, "clearance_rankings", lambda utility, budgeted: ("shapley",))
-    try:
-        _, chain_out = run(tmp_path, "chain", spec, **settings)
-    finally:
-        mp.undo()
+    multi_out, chain_out = shipped_and_chain(tmp_path, utility="probability")
     a = pl.read_parquet(multi_out / "clearances").select("query_id", "cleared", "source", "gain", "evaluations",
                                                          "baseline_correct", "recovered")
     b = pl.read_parquet(chain_out / "clearances").select("query_id", "cleared", "source")

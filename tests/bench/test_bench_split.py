@@ -14,12 +14,17 @@ from tests.data_paths import LOCOMO
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_rule_recovers_at_least_what_the_constant_did(tmp_path, capsys):
-    if not LOCOMO.exists():
-        pytest.skip(f"needs LoCoMo at {LOCOMO}")
+def _bench_split():
     spec = importlib.util.spec_from_file_location("bench_split", ROOT / "jobs" / "bench_split.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_rule_recovers_at_least_what_the_constant_did(tmp_path, capsys):
+    if not LOCOMO.exists():
+        pytest.skip(f"needs LoCoMo at {LOCOMO}")
+    mod = _bench_split()
     out = tmp_path / "split.json"
     mod.main(["--locomo", str(LOCOMO), "--conversations", "conv-26", "--budgets", "64", "--reserves", "2,audit",
               "--utility", "correct,probability", "--out", str(out)])
@@ -40,9 +45,7 @@ def test_probability_fallback_recovers_at_least_what_the_chain_did(tmp_path):
     fewer exact sets (only the chain's empty clearances can change), within the budget."""
     if not LOCOMO.exists():
         pytest.skip(f"needs LoCoMo at {LOCOMO}")
-    spec = importlib.util.spec_from_file_location("bench_split", ROOT / "jobs" / "bench_split.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _bench_split()
     out = tmp_path / "rule.json"
     mod.main(["--locomo", str(LOCOMO), "--conversations", "conv-26", "--budgets", "64", "--reserves", "audit",
               "--clearance", "audit,chain", "--utility", "probability", "--out", str(out)])
