@@ -71,6 +71,7 @@ class AuditResult:
     summary: ClearanceSummary | None = field(repr=False, default=None)
     peak_cases_in_flight: int = 0  # most cases in flight at once (bounded by the window)
     window: int = 0
+    without_loo: int = 0  # cases planned without the LOO screen (`auto` at small budgets; their `loo` is null)
 
     def __post_init__(self) -> None:
         if self.summary is None:  # built by hand (tests, callers): summarise the rows given
@@ -176,6 +177,7 @@ class _Evaluation:
         self.max_evaluations = 0
         self.total_evaluations = 0  # distinct coalitions per query, summed (what the queries spent, reused included)
         self.reused = 0
+        self.without_loo = 0
         self.first_case_s: float | None = None  # seconds from the start of the loop to the first case admitted
         self._pending: deque[tuple[Query, FrozenContext]] = deque()  # the current pool's cases not yet admitted
         self._exhausted = False
@@ -247,6 +249,7 @@ class _Evaluation:
             ci, self.admitted = self.admitted, self.admitted + 1
             plan = make_plan(case.k, c.permutations, c.estimator, c.antithetic, case.seed, c.adaptive_round, c.budget,
                              c.adaptive_prior, c.utility, c.adaptive_rule)
+            self.without_loo += not plan.loo
             prev = self.previous.get((query.pool_id, query.query_id, context.context_hash))
             if prev is not None:
                 self.reused += len(prev[0])
@@ -284,8 +287,11 @@ class _Evaluation:
 
 def _plan_size(c: AuditConfig) -> int:
     """First-pass coalitions of a case with K = top_k (what sizes the window; a pool smaller than K gives less)."""
-    return make_plan(c.top_k, c.permutations, c.estimator, c.antithetic, 0, c.adaptive_round, c.budget,
-                     c.adaptive_prior, c.utility, c.adaptive_rule).n_coalitions
+    plan = make_plan(c.top_k, c.permutations, c.estimator, c.antithetic, 0, c.adaptive_round, c.budget,
+                     c.adaptive_prior, c.utility, c.adaptive_rule)
+    # a plan without the LOO screen asks only the empty set and N first, then its draws: size it as the anchored
+    # plan (K+2), so dropping the screen does not multiply the cases in flight and the coalitions per task
+    return plan.n_coalitions if plan.loo else max(plan.n_coalitions, c.top_k + 2)
 
 
 def _open_run(out: Path, config: AuditConfig, agent_fp: str,
@@ -397,6 +403,7 @@ def run_audit(
         recovered=ev.summary.recovered,
         evaluated=utilities.written,
         reused=ev.reused,
+        without_loo=ev.without_loo,
         max_evaluations=ev.max_evaluations,
         total_evaluations=ev.total_evaluations,
         timings=timings,
@@ -440,6 +447,8 @@ def _manifest(result: AuditResult, config: AuditConfig, agent_fp: str, retrieval
             "evaluations_all_queries": result.total_evaluations,  # per query: clearances/ `evaluations`
             "budget_per_query": config.budget or None,
             "failed_cases": result.failed,
+            # cases `auto` planned without the LOO screen (pipeline.game.plan.auto_measures_loo): `loo` null
+            "cases_without_loo": result.without_loo,
             # non-empty clearances by the ranking that proposed them (clearances/ `source`, per query)
             **{f"cleared_by_{src}": (result.summary.sources.get(src, 0) if result.summary else 0)
                for src in (*RANKINGS, SINGLES)},

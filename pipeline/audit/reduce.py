@@ -116,7 +116,13 @@ class CaseState:
 
     def asked(self) -> np.ndarray:
         """The coalitions this case's attribution asked for: the estimator's and LOO's (not values merely reused)."""
+        if not self.plan.loo:
+            return np.asarray(self.run.values.keys, dtype=np.int64)
         return np.union1d(self.run.values.keys, loo_coalitions(self.plan.k))
+
+    def loo(self) -> np.ndarray | None:
+        """LOO effects v(N) - v(N minus i); None where the plan does not measure them (`GamePlan.loo`)."""
+        return loo_effects(self.values) if self.plan.loo else None
 
     def clearance_coalitions(self) -> np.ndarray:
         """The kept-context coalitions of the candidates the clearance checks (after `attribute`)."""
@@ -151,6 +157,8 @@ def plan_estimator(plan: GamePlan, tau: float, z: float) -> tuple[Estimator, int
         opts = {"tau": tau}  # its relevance and explanation tolerance default to the harm threshold
     elif est in SURROGATES:
         opts = {"seed": plan.seed}
+    if not plan.loo:  # `auto` dropped the LOO screen (pipeline.game.plan.auto_measures_loo): its anchors go too
+        opts["loo"] = False
     estimator = get_estimator(est, **opts)
     if plan.eval_budget:
         budget = split_budget(plan.eval_budget, k, clearance_reserve(k, plan.eval_budget, plan.utility))
@@ -177,7 +185,7 @@ def advance(state: CaseState, tau: float, z: float) -> Need | None:
         return None
     if len(need := state.estimator_needs()):
         return Need(need, "plan")
-    if len(need := state.missing(loo_coalitions(state.plan.k))):  # only a surrogate leaves any (it asks no LOO)
+    if state.plan.loo and len(need := state.missing(loo_coalitions(state.plan.k))):  # only a surrogate leaves any
         return Need(need, "plan")
     if len(need := attribute(state, tau)):
         return Need(need, "clearance")
@@ -192,7 +200,7 @@ def attribute(state: CaseState, tau: float) -> np.ndarray:
     plan = state.plan
     result = state.run.result()
     state.phi, state.se, state.used, state.stop = result.values, result.se, result.draws, result.stop
-    loo = loo_effects(state.values)
+    loo = state.loo()
     state.ranking = harmful_ranking(state.phi, tau, loo)
     left = plan.eval_budget - state.evaluations  # before the clearance is set: the estimator's and LOO's spend
     state.clear_ranking = state.ranking
@@ -203,7 +211,8 @@ def attribute(state: CaseState, tau: float) -> np.ndarray:
         used = state.asked()
         used = used[~np.isnan(state.values[used])]
         rankings = verification_rankings(plan.k, state.phi, tau, loo, used, state.values[used], state.rankings)
-        family = candidate_family(plan.k, rankings, singles=True)
+        # single removals are free only where their coalitions (the LOO anchors) were evaluated
+        family = candidate_family(plan.k, rankings, singles=loo is not None)
         state.family = affordable(plan.k, family, lambda m: ~np.isnan(state.values[m]),
                                   left if plan.eval_budget else None)
         return state.missing(state.clearance_coalitions())
@@ -237,7 +246,7 @@ def finalize(state: CaseState, run_id: str, tau: float, kappa: float) -> CaseRow
     case, plan = state.case, state.plan
     q, ctx = case.query, case.context
     assert state.phi is not None and state.se is not None and state.ranking is not None
-    loo = loo_effects(state.values)
+    loo = state.loo()
     rank_of = {int(p): r + 1 for r, p in enumerate(state.ranking)}
     # The paper's settings (exact; L fixed permutations) keep a null stop reason, as their rows always had.
     legacy = not plan.eval_budget and plan.estimator in ("exact", "permutation")
@@ -248,8 +257,8 @@ def finalize(state: CaseState, run_id: str, tau: float, kappa: float) -> CaseRow
             **base,
             memory_id=ctx.memory_ids[i],
             position=i,
-            loo=float(loo[i]),
-            loo_inconclusive=bool(abs(loo[i]) <= kappa),
+            loo=None if loo is None else float(loo[i]),
+            loo_inconclusive=None if loo is None else bool(abs(loo[i]) <= kappa),
             shapley=float(state.phi[i]),
             shapley_se=float(state.se[i]),
             harmful=i in rank_of,

@@ -295,15 +295,16 @@ CLEARANCE_VARIANTS = ("audit", "chain", "family")
 
 
 def shipped(method: Method, k: int, ev: CachedOracle, seed: int, tau: float, utility: str,
-            reserve: int | None = None, clearance: str = "audit") -> Outcome:
+            reserve: int | None = None, clearance: str = "audit", loo: bool | None = None) -> Outcome:
     """What `meclear audit --budget B` ships (`auto_b<B>`): the `auto` estimator for this K, budget and utility mode
     on the attribution part of B, then the verified clearance on what is left: in `correct` mode over several
     rankings (Shapley, the free sparse surrogate, LOO, single removals: `pipeline.game.clearance.candidate_family`);
     in `probability` mode the Shapley chain is preferred and the others are a fallback (`primary_ranking`). Its
     rankings are those of the ranking whose candidate was chosen (Shapley's when none was). `reserve`: evaluations
     kept back from the estimator for the clearance (None: the audit's, `clearance_reserve`); `clearance`: one of
-    CLEARANCE_VARIANTS (the audit's rule, the Shapley chain alone, the whole family without a preferred ranking).
-    jobs/bench_split.py measures both."""
+    CLEARANCE_VARIANTS (the audit's rule, the Shapley chain alone, the whole family without a preferred ranking);
+    `loo`: whether the LOO anchors are evaluated (None: the audit's rule, `auto_measures_loo`).
+    jobs/bench_split.py measures all three."""
     from pipeline.game.clearance import affordable as fits
     from pipeline.game.clearance import (
         candidate_family,
@@ -315,16 +316,18 @@ def shipped(method: Method, k: int, ev: CachedOracle, seed: int, tau: float, uti
     )
     from pipeline.game.estimators import clearance_reserve, split_budget
     from pipeline.game.linear import surrogate_scores
-    from pipeline.game.plan import auto_estimator
+    from pipeline.game.plan import AUTO_SURROGATE, auto_estimator, auto_measures_loo
 
     budget = int(method.evals)
     name = auto_estimator(k, budget, utility)
     if reserve is None:
         reserve = clearance_reserve(k, budget, utility)
-    phi = _estimate(name, k, ev, split_budget(budget, k, reserve), seed, tau)
+    # only the sparse surrogate can go without its LOO anchors; the other estimators' designs need them
+    measures_loo = auto_measures_loo(k, budget, utility) if loo is None else loo or name != AUTO_SURROGATE
+    phi = _estimate(name, k, ev, split_budget(budget, k, reserve), seed, tau, measures_loo)
     anchors = loo_coalitions(k)
     loo_scores = None
-    if ev.seen(anchors).all():
+    if measures_loo and ev.seen(anchors).all():
         util, _ = ev(anchors)
         loo_scores = util[0] - util[1:]
     masks, vals = ev.evaluated()
@@ -348,13 +351,17 @@ def shipped(method: Method, k: int, ev: CachedOracle, seed: int, tau: float, uti
                    c.cleared_utility, f"auto:{name}:{c.source}", _full(scores, seed))
 
 
-def _estimate(name: str, k: int, ev: CachedOracle, budget: int, seed: int, tau: float) -> np.ndarray:
+def _estimate(name: str, k: int, ev: CachedOracle, budget: int, seed: int, tau: float, loo: bool = True
+              ) -> np.ndarray:
     """The contract estimator `name`'s values over `ev` within `budget`, seeded by the case: the audit's options
-    (adaptive stops on separation from -tau; a surrogate's trees take the case seed, its masks come from the rng)."""
+    (adaptive stops on separation from -tau; a surrogate's trees take the case seed, its masks come from the rng;
+    `loo` False: no LOO anchors, as `auto` plans where `pipeline.game.plan.auto_measures_loo` says so)."""
     from pipeline.game.estimators import get_estimator
 
     tau_first = ("adaptive", "screened")
     options = {"tau": tau} if name in tau_first else {"seed": seed} if name in BASELINE_ESTIMATORS else {}
+    if not loo:
+        options["loo"] = False
     attr = get_estimator(name, **options).estimate(OracleGame(k, ev), budget, np.random.default_rng(seed))
     return np.asarray(attr.values, dtype=np.float64)
 

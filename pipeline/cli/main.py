@@ -99,8 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "separated from -tau (|phi+tau| > z*SE), at most --permutations (even); screened: a screen of "
                         "12 permutations, then exact enumeration of the memories that matter, checked against every "
                         "evaluated coalition (docs/benchmark.md); sparseshap: Shapley values of a sparse order-2 "
-                        "surrogate (auto's choice below a quarter of the game); adjusted: the same plus the residual's "
-                        "least-squares Shapley values (docs/method.md)")
+                        "surrogate (auto's choice below a quarter of the game; below 8 evaluations per memory in "
+                        "`correct` mode auto drops the LOO screen for it, named it keeps it); adjusted: the same plus "
+                        "the residual's least-squares Shapley values (docs/method.md)")
     a.add_argument("--budget", type=_count_or_text, default=d.budget,
                    help="distinct agent evaluations per query, clearance checks included (0: none; at least K+2); "
                         "every estimator stays within it, clearances/ `evaluations` says what each query spent")

@@ -111,19 +111,22 @@ class Adjusted(KernelSHAP):
 
     Options: `sampling` ("binomial": every coalition alike; "kernel": KernelSHAP's sizes with the border first;
     "uniform": Leverage SHAP's sizes), `alpha` (Lasso penalty relative to the utilities' std), `order` (1 or 2),
-    `adjust` (False: the surrogate's values alone, no residual term: `sparseshap`)."""
+    `adjust` (False: the surrogate's values alone, no residual term: `sparseshap`), `loo` (False: no leave-one-out
+    anchors, only the empty set and the full context before the draws: `auto`'s choice at small `correct` budgets,
+    `pipeline.game.plan.auto_measures_loo`)."""
 
     name = "adjusted"
     adjust_default = True
 
     def __init__(self, sampling: str = "binomial", alpha: float = DEFAULT_ALPHA, order: int = 2,
-                 adjust: bool | None = None):
+                 adjust: bool | None = None, loo: bool = True):
         adjust = self.adjust_default if adjust is None else adjust
         if sampling not in SAMPLINGS:
             raise ConfigError(f"{self.name}: sampling={sampling!r}; allowed {SAMPLINGS}")
         if not (isinstance(alpha, (int, float)) and alpha >= 0) or order not in (1, 2):
             raise ConfigError(f"{self.name}: alpha={alpha!r}, order={order!r}; need alpha >= 0 and order 1 or 2")
         self.sampling, self.alpha, self.order, self.adjust = sampling, float(alpha), order, bool(adjust)
+        self.loo_anchors = bool(loo)
         self.size_weights = sampling
         self.border_first = sampling == "kernel"
 

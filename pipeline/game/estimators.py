@@ -461,6 +461,7 @@ class KernelSHAP(_Base):
         return w
 
     border_first = True  # enumerate the size-1 layer right after the anchors (the paired border of size K-1)
+    loo_anchors = True  # False: the anchors are the empty set and the full context only (no LOO screen)
 
     def _steps(self, run: _Run, rng: np.random.Generator) -> Steps:
         k = run.k
@@ -472,12 +473,13 @@ class KernelSHAP(_Base):
     def _sample(self, run: _Run, rng: np.random.Generator) -> Generator[np.ndarray, None, None]:
         """The anchors, then paired draws by size (`_size_probs`) with the border trick, inside the budget."""
         k = run.k
-        anchors = anchor_coalitions(k)
+        anchors = anchor_coalitions(k) if self.loo_anchors else np.array(sorted({0, full_mask(k)}), dtype=np.int64)
         yield anchors
         chosen = set(anchors.tolist())
         left = run.budget - len(chosen)
         w = self._size_probs(k)
-        w[k - 1] = 0.0  # enumerated by the anchors
+        if self.loo_anchors:
+            w[k - 1] = 0.0  # enumerated by the anchors
         if self.border_first:
             w[1] = 0.0  # enumerated next
         counts = np.array([comb(k, s) for s in range(k + 1)], dtype=float)

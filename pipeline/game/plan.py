@@ -108,6 +108,7 @@ class GamePlan:
     utility: str = "probability"  # the utility mode: it sets the clearance's share of eval_budget (clearance_reserve)
     prior: float = 0.0  # adaptive: variance pseudo-draws (pipeline.game.estimators.Adaptive)
     rule: str = "check"  # adaptive: how a case stops (ADAPTIVE_RULES)
+    loo: bool = True  # the audit measures the K leave-one-out coalitions (False: `auto_measures_loo` said no)
 
     def round_coalitions(self, used: int) -> np.ndarray:
         """Coalitions of the first `used` permutations (and LOO): what an adaptive case needs after `used`."""
@@ -181,6 +182,29 @@ ADAPTIVE_RULE = "check"
 ADAPTIVE_CHECK_AFTER = 16
 
 
+# Issue 30: at a few evaluations per memory the K leave-one-out anchors are most of what the estimator sees (K=20,
+# B=64, `correct`: 22 of 56 coalitions), and they are a poor design for a sparse fit: in a {0, 1} game N minus one
+# memory mostly gives the full context's answer, and redundant copies give LOO 0 each. `auto` then drops them:
+# sparseshap draws every coalition from ContextCite's design (the empty set and N, then paired draws keeping each
+# memory with probability 1/2), the `loo` column is null and the clearance checks the Shapley and surrogate chains
+# without the (no longer free) single removals. Measured with the audit's rule on all ten conversations, reader,
+# FI-LoCoMo, `correct` (`jobs/bench_split.py --loo on,off`; docs/method.md "Dropping the LOO screen at small
+# budgets"), LOO anchors -> none, exact-set match / recovery / Recall@|M|: K=32 B=64 26.4/88.5/60.6 -> 32.9/89.9/74.9,
+# B=128 43.3/99.4/88.5 -> 45.4/99.8/90.2; K=20 B=64 38.5/95.7/78.9 -> 45.7/96.1/86.5; from about 6 evaluations per
+# memory level (K=20 B=128 51.8/99.6/93.4 -> 51.4/100/93.6, K=10 B=64 54.4/99.6/93.3 -> 55.0/99.6/93.7), and at K=10
+# B=128 (12.8 per memory) behind (58.4/96.3 -> 57.3/95.2 exact-set / Recall@|M|). Hence below 8 per memory.
+# `probability` keeps them: its clearance needs LOO's fallback candidates (K=10 B=64 recovery 99.2% -> 86.8%).
+# `--estimator sparseshap` (named, not `auto`) always keeps the LOO screen.
+LOO_SCREEN_PER_PLAYER = {"correct": 8, "probability": 0}  # `auto` measures LOO from this many evaluations per memory
+
+
+def auto_measures_loo(k: int, budget: int, utility: str = "probability") -> bool:
+    """Whether an `auto` case under `budget` evaluates the K leave-one-out coalitions (see LOO_SCREEN_PER_PLAYER)."""
+    if not budget or auto_estimator(k, budget, utility) != AUTO_SURROGATE:
+        return True
+    return budget >= LOO_SCREEN_PER_PLAYER.get(utility, 0) * k
+
+
 def auto_estimator(k: int, budget: int, utility: str = "probability") -> str:
     """`--estimator auto` under a budget: exact when all 2^K coalitions fit, else the sampled estimator measured best
     for this utility mode, K and budget (see AUTO_SAMPLED, AUTO_SURROGATE and `few_samples` above)."""
@@ -218,9 +242,11 @@ def make_plan(
                           f"permutations={permutations} must be even")
     if estimator not in ESTIMATORS:
         raise ConfigError(f"game plan: estimator={estimator!r}; allowed {ESTIMATORS}")
+    loo = True
     if budget:
         check_budget(budget, k)
         if estimator == "auto":
+            loo = auto_measures_loo(k, budget, utility)
             estimator = auto_estimator(k, budget, utility)
         if estimator == "exact" and budget < 1 << k and k <= MAX_EXACT_PLAYERS:
             raise ConfigError(f"game plan: estimator 'exact' at K={k} needs 2^{k} = {1 << k:,} evaluations; "
@@ -239,14 +265,16 @@ def make_plan(
                               f"permutations={permutations} must be even (round_size >= 2)")
     if rule not in ADAPTIVE_RULES:
         raise ConfigError(f"game plan: adaptive rule={rule!r}; allowed {ADAPTIVE_RULES}")
-    extra = {"eval_budget": budget, "prior": prior, "utility": utility, "rule": rule}
+    extra = {"eval_budget": budget, "prior": prior, "utility": utility, "rule": rule, "loo": loo}
     if estimator == "exact":
         return GamePlan(k, estimator, permutations, antithetic, seed, np.zeros((0, k), dtype=np.int64),
                         np.arange(2**k, dtype=np.int64), **extra)
     if estimator not in ("permutation", "antithetic", "adaptive") or (budget and estimator != "adaptive"):
-        # Drawn by the estimator itself (pipeline.game.estimators); the first pass starts with the LOO anchors.
+        # Drawn by the estimator itself (pipeline.game.estimators); the first pass starts with the anchors (the LOO
+        # coalitions and the empty set, or only the empty set and N where the LOO screen is dropped).
+        first = np.union1d(loo_coalitions(k), [0]) if loo else np.unique([0, full_mask(k)])
         return GamePlan(k, estimator, permutations, antithetic, seed, np.zeros((0, k), dtype=np.int64),
-                        np.union1d(loo_coalitions(k), [0]).astype(np.int64), **extra)
+                        first.astype(np.int64), **extra)
     rng = np.random.default_rng(seed)
     if antithetic:
         half = rng.permuted(np.tile(np.arange(k), (permutations // 2, 1)), axis=1)

@@ -62,8 +62,8 @@ class AttributionRow(_Row):
     query_id: str
     memory_id: str
     position: int
-    loo: float
-    loo_inconclusive: bool
+    loo: float | None  # null where the plan dropped the LOO screen (pipeline.game.plan.auto_measures_loo)
+    loo_inconclusive: bool | None
     shapley: float
     shapley_se: float
     harmful: bool

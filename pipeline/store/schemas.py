@@ -51,8 +51,8 @@ ATTRIBUTIONS = pa.schema(
         ("query_id", pa.string()),
         ("memory_id", pa.string()),
         ("position", pa.int32()),
-        ("loo", pa.float64()),
-        ("loo_inconclusive", pa.bool_()),  # |loo| <= kappa: LOO alone cannot tell
+        ("loo", pa.float64()),  # v(N) - v(N minus i); null where `auto` dropped the LOO screen (small budgets)
+        ("loo_inconclusive", pa.bool_()),  # |loo| <= kappa: LOO alone cannot tell; null with loo
         ("shapley", pa.float64()),
         ("shapley_se", pa.float64()),  # 0 when exact
         ("harmful", pa.bool_()),  # shapley < -tau

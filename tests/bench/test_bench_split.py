@@ -56,3 +56,23 @@ def test_probability_fallback_recovers_at_least_what_the_chain_did(tmp_path):
     assert audit["mean_evaluations"] <= 64
     with pytest.raises(SystemExit, match="allowed audit, chain, family"):
         mod.main(["--locomo", str(LOCOMO), "--clearance", "best", "--out", str(tmp_path / "x.json")])
+
+
+def test_the_loo_screen_replayed_on_and_off(tmp_path):
+    """`--loo`: at K=20 and 64 evaluations (3.2 per memory) in `correct` mode the audit's rule is the screen off, so
+    `audit` and `off` are the same outcomes; `on` is a different design on the same cases and budget. Measured direction
+    (docs/method.md): off ranks the faults better at this budget; on one conversation Recall@|M| of `off` is at
+    least that of `on`."""
+    if not LOCOMO.exists():
+        pytest.skip(f"needs LoCoMo at {LOCOMO}")
+    mod = _bench_split()
+    out = tmp_path / "loo.json"
+    mod.main(["--locomo", str(LOCOMO), "--conversations", "conv-26", "--top-k", "20", "--budgets", "64",
+              "--reserves", "audit", "--loo", "audit,on,off", "--utility", "correct", "--out", str(out)])
+    by = {r["loo"]: r for r in json.loads(out.read_text())["rows"]}
+    assert by["audit"]["loo_measured"] is False and by["on"]["loo_measured"] and not by["off"]["loo_measured"]
+    assert by["audit"]["per_conversation"] == by["off"]["per_conversation"]
+    assert by["audit"]["recall_at_m"] == by["off"]["recall_at_m"] >= by["on"]["recall_at_m"]
+    assert all(r["mean_evaluations"] <= 64 and r["cases"] > 20 for r in by.values())
+    with pytest.raises(SystemExit, match="allowed audit, on, off"):
+        mod.main(["--locomo", str(LOCOMO), "--loo", "maybe", "--out", str(tmp_path / "x.json")])

@@ -129,3 +129,53 @@ def test_auto_takes_the_surrogate_below_a_quarter_of_the_game():
     assert auto_estimator(32, 128, "probability") == auto_estimator(10, 40, "probability") == "sparseshap"
     assert auto_estimator(20, 32, "correct") == "permutation"  # few samples beyond the anchors: the mean
     assert auto_estimator(10, 1024, "correct") == "exact"
+
+
+def test_without_loo_anchors_every_draw_is_contextcites_design():
+    """`loo=False` (what `auto` plans at small `correct` budgets): the empty set and N first, then paired draws that
+    keep each memory with probability 1/2, the whole budget spent and no leave-one-out coalition asked."""
+    k, budget = 20, 64
+    run = get_estimator("sparseshap", loo=False).start(k, budget, np.random.default_rng(0))
+    first = run.ask()
+    np.testing.assert_array_equal(first, [0, (1 << k) - 1])
+    run.tell(first, np.zeros(first.size))
+    rest = np.setdiff1d(run.ask(), first)
+    assert first.size + rest.size == budget
+    assert not np.isin(loo_coalitions(k)[1:], rest).any()
+    sizes = np.bitwise_count(rest)
+    assert np.mean((sizes >= 6) & (sizes <= 14)) > 0.9
+
+
+def test_without_loo_anchors_redundant_copies_are_found_more_often():
+    """The same two masking copies at K=20 and 64 evaluations: LOO gives each copy 0, so its 20 anchors carry no
+    sign of them; spent on random draws instead they find the pair at least as often."""
+    k, copies = 20, (5, 11)
+
+    def f(m: np.ndarray) -> np.ndarray:
+        x = bits(m, k)
+        return x[:, 0] * (1 - x[:, copies[0]]) * (1 - x[:, copies[1]])
+
+    found = {}
+    for loo in (True, False):
+        found[loo] = sum(
+            set(np.argsort(get_estimator("sparseshap", loo=loo).estimate(
+                CachedGame(k, f), 64, np.random.default_rng(seed)).values, kind="stable")[:2].tolist()) == set(copies)
+            for seed in range(20))
+    assert found[False] >= found[True] and found[False] >= 18, found
+
+
+def test_auto_drops_the_loo_screen_below_eight_evaluations_per_memory_in_correct_mode():
+    from pipeline.game.plan import auto_measures_loo, make_plan
+
+    assert not auto_measures_loo(20, 64, "correct") and not auto_measures_loo(20, 128, "correct")
+    assert not auto_measures_loo(10, 64, "correct") and not auto_measures_loo(63, 256, "correct")
+    assert auto_measures_loo(20, 256, "correct") and auto_measures_loo(10, 128, "correct")  # 8 per memory and up
+    assert auto_measures_loo(20, 128, "probability") and auto_measures_loo(10, 64, "probability")  # never
+    assert auto_measures_loo(20, 32, "correct")  # the permutation mean there: its design needs the anchors
+    assert auto_measures_loo(20, 0, "correct")  # no budget: the paper's settings
+    plan = make_plan(20, estimator="auto", budget=64, utility="correct")
+    assert plan.estimator == "sparseshap" and not plan.loo
+    np.testing.assert_array_equal(plan.coalitions, [0, (1 << 20) - 1])
+    named = make_plan(20, estimator="sparseshap", budget=64, utility="correct")  # named: the LOO screen stays
+    assert named.loo and named.n_coalitions == 22
+    assert make_plan(20, estimator="auto", budget=64, utility="probability").loo
