@@ -45,6 +45,7 @@ from pipeline.game.plan import (  # noqa: F401  (BudgetError, min_budget, check_
     MAX_EXACT_PLAYERS,
     MAX_PLAYERS,
     BudgetError,
+    anchor_coalitions,
     check_budget,
     full_mask,
     loo_coalitions,
@@ -242,10 +243,6 @@ class _Base:
 
     def _steps(self, run: _Run, rng: np.random.Generator) -> Steps:
         raise NotImplementedError
-
-
-def anchor_coalitions(k: int) -> np.ndarray:
-    return np.union1d(loo_coalitions(k), [0]).astype(np.int64)
 
 
 def _draw_permutations(k: int, n: int, rng: np.random.Generator, antithetic: bool) -> np.ndarray:
@@ -473,7 +470,7 @@ class KernelSHAP(_Base):
     def _sample(self, run: _Run, rng: np.random.Generator) -> Generator[np.ndarray, None, None]:
         """The anchors, then paired draws by size (`_size_probs`) with the border trick, inside the budget."""
         k = run.k
-        anchors = anchor_coalitions(k) if self.loo_anchors else np.array(sorted({0, full_mask(k)}), dtype=np.int64)
+        anchors = anchor_coalitions(k, self.loo_anchors)
         yield anchors
         chosen = set(anchors.tolist())
         left = run.budget - len(chosen)

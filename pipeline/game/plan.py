@@ -79,6 +79,12 @@ def loo_coalitions(k: int) -> np.ndarray:
     return np.array([full] + [full & ~(1 << i) for i in range(k)], dtype=np.int64)
 
 
+def anchor_coalitions(k: int, loo: bool = True) -> np.ndarray:
+    """The coalitions a regression estimator asks first, sorted: the empty set, the K leave-one-out sets and N, or,
+    where the LOO screen is dropped (`auto_measures_loo`), the empty set and N only."""
+    return (np.union1d(loo_coalitions(k), [0]) if loo else np.unique([0, full_mask(k)])).astype(np.int64)
+
+
 def prefix_masks(permutations: np.ndarray) -> np.ndarray:
     """(L, K+1) masks: column j is the set of the first j players of each permutation."""
     perms = np.asarray(permutations, dtype=np.int64)
@@ -272,9 +278,8 @@ def make_plan(
     if estimator not in ("permutation", "antithetic", "adaptive") or (budget and estimator != "adaptive"):
         # Drawn by the estimator itself (pipeline.game.estimators); the first pass starts with the anchors (the LOO
         # coalitions and the empty set, or only the empty set and N where the LOO screen is dropped).
-        first = np.union1d(loo_coalitions(k), [0]) if loo else np.unique([0, full_mask(k)])
         return GamePlan(k, estimator, permutations, antithetic, seed, np.zeros((0, k), dtype=np.int64),
-                        first.astype(np.int64), **extra)
+                        anchor_coalitions(k, loo), **extra)
     rng = np.random.default_rng(seed)
     if antithetic:
         half = rng.permuted(np.tile(np.arange(k), (permutations // 2, 1)), axis=1)
