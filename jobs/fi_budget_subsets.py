@@ -11,6 +11,15 @@ conversations in a subset the cluster-level resampling has little to draw from: 
 each subset's curves table (summary.md format; the first, `all`, is every conversation of the run) with the paired
 differences against ContextCite and each --reference (e.g. `--reference kernelshap`: is the default better than the
 others, case by case), and writes them all to --out as JSON.
+
+`--run` may be given more than once to join runs of the same settings over disjoint conversations (a long LLM run
+split by `--conversations` across sessions or machines):
+
+    env PYTHONPATH=. python jobs/fi_budget_subsets.py --run /tmp/sm-a --run /tmp/sm-b --out /tmp/sm-ab.json
+
+The runs must agree on every setting but `conversations` (methods, utilities, budgets, seed, K, agent, ...), and no
+conversation or case may be in two of them: a conversation given twice would count twice in every mean and interval,
+so it is an error, as is one run folder named twice (compared resolved, whatever the working directory).
 """
 
 from __future__ import annotations
@@ -22,6 +31,42 @@ from pathlib import Path
 import polars as pl
 
 from pipeline.bench.curves import budget_curves, markdown
+
+JOIN_IGNORES = ("conversations",)  # the one setting that may differ between joined runs
+
+
+def _load_runs(runs: list[Path]) -> tuple[dict, list[dict]]:
+    """The first run's config and every run's rows; SystemExit where the runs cannot be joined (see module doc)."""
+    seen: dict[Path, Path] = {}
+    for run in runs:
+        key = run.resolve()
+        if key in seen:
+            raise SystemExit(f"fi_budget_subsets: --run {run} is the same folder as --run {seen[key]}: "
+                             "a run given twice would count its cases twice")
+        seen[key] = run
+    cfg, rows, owner = None, [], {}
+    for run in runs:
+        for name in ("summary.json", "cases.parquet"):
+            if not (run / name).is_file():
+                raise SystemExit(f"fi_budget_subsets: --run {run}: no {name} (not a finished `meclear eval` folder)")
+        this = json.loads((run / "summary.json").read_text())["config"]
+        if cfg is None:
+            cfg = this
+        else:
+            differ = sorted(k for k in set(cfg) | set(this) if k not in JOIN_IGNORES and cfg.get(k) != this.get(k))
+            if differ:
+                raise SystemExit(f"fi_budget_subsets: --run {run} differs from --run {runs[0]} in {', '.join(differ)} "
+                                 f"(only {', '.join(JOIN_IGNORES)} may differ between joined runs)")
+        part = pl.read_parquet(run / "cases.parquet").to_dicts()
+        keys = {r["conversation"] for r in part} | {r["case_id"] for r in part}  # case ids too: renamed conversations
+        both = sorted(k for k in keys if k in owner)
+        if both:
+            raise SystemExit(f"fi_budget_subsets: {both[0]} is in both --run {owner[both[0]]} and --run {run}: "
+                             "joined runs must cover disjoint conversations")
+        owner.update(dict.fromkeys(keys, run))
+        rows += part
+    assert cfg is not None
+    return cfg, rows
 
 
 def _subsets(specs: list[str], rest: str | None, conversations: list[str]) -> dict[str, list[str]]:
@@ -43,7 +88,8 @@ def _subsets(specs: list[str], rest: str | None, conversations: list[str]) -> di
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--run", type=Path, required=True, help="output folder of `meclear eval --budgets`")
+    ap.add_argument("--run", type=Path, action="append", required=True,
+                    help="output folder of `meclear eval --budgets` (repeatable: runs over disjoint conversations)")
     ap.add_argument("--subset", action="append", default=[], help="NAME=conv-a,conv-b (repeatable)")
     ap.add_argument("--rest", default=None, help="name of the subset of every other conversation of the run")
     ap.add_argument("--reference", action="append", default=[],
@@ -52,9 +98,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=None, help="JSON output (default <run>/subsets.json)")
     args = ap.parse_args(argv)
 
-    summary = json.loads((args.run / "summary.json").read_text())
-    cfg = summary["config"]
-    rows = pl.read_parquet(args.run / "cases.parquet").to_dicts()
+    if args.out is None and len(args.run) > 1:
+        raise SystemExit("fi_budget_subsets: --out is required with several --run folders")
+    cfg, rows = _load_runs(args.run)
     conversations = sorted({r["conversation"] for r in rows})
     references = ("contextcite", *args.reference)
     result = {}
@@ -67,8 +113,10 @@ def main(argv: list[str] | None = None) -> None:
         result[name] = {"conversations": convs, "n_cases": n_cases, "curves": curves}
         print(f"# {name}: {', '.join(convs)} ({n_cases} cases)\n")
         print("\n".join(markdown(curves, references)[4:]))  # the tables, without summary.md's section preamble
-    out = args.out or args.run / "subsets.json"
-    out.write_text(json.dumps(result, indent=1))
+    out = args.out or args.run[0] / "subsets.json"
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(out)  # atomic: a reader never sees half a file
     print(f"wrote {out}")
 
 
